@@ -1,0 +1,167 @@
+"""Frozen configuration, one dataclass per subsystem.
+
+Every field carries a one-line doc; the CLI builds its flags from ``EngineArgs`` so that a
+default is written once. Validation messages quote the bad value and say how to fix it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """The shape of a decoder-only transformer, read from config.json or GGUF metadata."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: dict[str, Any] | None = None
+    sliding_window: int | None = None
+    """Mistral's attention window; the engine caps the context at it (we attend fully)."""
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelArchConfig":
+        heads = cfg["num_attention_heads"]
+        model_type = cfg.get("model_type", "llama")
+        rope_scaling = cfg.get("rope_scaling") or None
+        rope_theta = cfg.get("rope_theta")
+        # transformers 5 moved rope_theta into rope_parameters.
+        rope_params = cfg.get("rope_parameters") or {}
+        if rope_theta is None:
+            rope_theta = rope_params.get("rope_theta", 10000.0)
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = dict(rope_params)
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v bias; Llama/Mistral only when attention_bias says so.
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            rope_scaling=rope_scaling,
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: how many fixed-size blocks, and how big each is."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    """Tokens per KV block."""
+    kv_cache_memory: int | None = None
+    """Bytes for the KV cache; None = kv_cache_fraction of available memory."""
+    kv_cache_fraction: float = 0.25
+    """Share of currently available RAM given to the KV cache when kv_cache_memory is unset."""
+    num_blocks: int | None = None
+    """Exact block count (overrides the memory budget; used by tests)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.kv_cache_fraction <= 0.95:
+            raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be a positive byte count, got {self.kv_cache_memory}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits for one engine step."""
+
+    max_num_batched_tokens: int = 2048
+    """Token budget per step: prefill chunks plus decodes."""
+    max_num_seqs: int = 64
+    """Most sequences running at once."""
+    max_model_len: int | None = None
+    """Context window (prompt + output); None = the model's own."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts over several steps instead of refusing them."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+def _arg(default: Any, help: str) -> Any:
+    """A dataclass field whose help text becomes the CLI flag's help."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything a user can set when building an engine (offline LLM, CLI and server alike).
+
+    The CLI turns each field into a flag (``max_num_seqs`` -> ``--max-num-seqs``).
+    """
+
+    model: str | None = _arg(None, "GGUF file or Hugging Face directory (default: the embedded "
+                                   "SmolLM2-135M-Instruct Q4_1)")
+    tokenizer: str | None = _arg(None, "tokenizer directory when it differs from the model's")
+    dtype: str = _arg("float32", "compute dtype: float32, bfloat16 or float16")
+    block_size: int = _arg(DEFAULT_BLOCK_SIZE, "tokens per KV-cache block")
+    kv_cache_memory: int | None = _arg(None, "bytes for the KV cache (default: a fraction of free RAM)")
+    kv_cache_fraction: float = _arg(0.25, "share of available RAM for the KV cache when "
+                                          "--kv-cache-memory is not given")
+    num_kv_blocks: int | None = _arg(None, "exact number of KV blocks (overrides the budgets)")
+    max_num_batched_tokens: int = _arg(2048, "token budget per engine step (prefill chunks + decodes)")
+    max_num_seqs: int = _arg(64, "most sequences running at once")
+    max_model_len: int | None = _arg(None, "context window in tokens (default: the model's)")
+    enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
+    threads: int | None = _arg(None, "CPU threads (default: the cores this process may use)")
+    seed: int = _arg(0, "seed of the generator shared by requests without their own seed")
+    show_progress: bool = _arg(False, "show a progress bar while the model loads")
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
+                           kv_cache_fraction=self.kv_cache_fraction, num_blocks=self.num_kv_blocks)
+
+    def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
+        max_len = min(self.max_model_len or model_max_len, model_max_len)
+        return SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
+                               max_num_seqs=self.max_num_seqs, max_model_len=max_len,
+                               enable_chunked_prefill=self.enable_chunked_prefill)
+
+    @classmethod
+    def cli_fields(cls):
+        """(name, default, help) for every field, for building command-line flags."""
+        return [(f.name, f.default, f.metadata.get("help", "")) for f in fields(cls)]
+
+
+__all__ = ["ModelArchConfig", "CacheConfig", "SchedulerConfig", "EngineArgs"]

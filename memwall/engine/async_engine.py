@@ -1,0 +1,330 @@
+"""AsyncLLMEngine: the synchronous LLMEngine driven by a background thread, for asyncio servers.
+
+``LLMEngine`` is not thread-safe, so exactly one thread (the engine thread) ever touches it.
+Everything else talks to that thread through a command list guarded by a condition variable:
+
+    event loop (any number)                         engine thread
+    ───────────────────────                         ─────────────
+    add_request() ── _Add ──┐                  ┌──> apply commands (add / abort)
+    abort()       ── _Abort ┴──> [commands] ───┤    engine.step()
+                                               │    publish EngineStats
+    RequestStream  <── loop.call_soon_threadsafe ───┘ (one call per loop per step)
+
+Commands are applied *between* steps, so an abort frees its KV blocks before the next step runs.
+When there is nothing to do the thread sleeps on the condition: no busy spin. Each request has
+its own ``asyncio.Queue`` on the loop that created it, so thousands of streams share one thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from memwall.outputs import RequestOutput
+from memwall.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # only for hints: tests drive this class with a fake engine
+    from memwall.engine.llm_engine import LLMEngine
+    from memwall.engine.processor import PromptType
+
+
+class EngineClosedError(RuntimeError):
+    """The engine is shutting down and takes no new requests (server: HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """A step raised; the engine state can no longer be trusted (server: HTTP 500, health 503)."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine, published by the engine thread after every step (for metrics)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Share of KV blocks in use, 0.0 .. 1.0."""
+        if not self.num_total_blocks:
+            return 0.0
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: "PromptType"
+    params: SamplingParams
+    stream: "RequestStream"
+    accepted: asyncio.Future  # on stream.loop: prompt token ids, or the add_request error
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class RequestStream:
+    """The outputs of one request, in order, as the engine thread produces them.
+
+    Iterate it with ``async for``; it ends after the finished output. Leaving the loop early
+    (break, cancellation, error) does not abort by itself: ``AsyncLLMEngine.generate`` does that.
+    """
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    prompt_token_ids: list[int] = field(default_factory=list)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+
+class AsyncLLMEngine:
+    """Thread-safe, asyncio-facing wrapper: ``async for out in engine.generate(id, prompt, params)``."""
+
+    def __init__(self, engine: "LLMEngine") -> None:
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._commands: list[_Add | _Abort] = []
+        self._pending_adds = 0  # submitted adds not yet visible in the published stats
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._stats = EngineStats()
+        self._closed = False  # no new requests
+        self._stopping = False  # thread exits once the engine is drained
+        self._abort_all = False  # shutdown without draining
+        self._dead: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- read-only facts (immutable after load: safe from any thread) ----------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.processor.vocab_size
+
+    @property
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests accepted but not yet running (queued in the scheduler or not yet applied)."""
+        with self._cond:
+            return self._stats.num_waiting + self._pending_adds
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="memwall-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stops accepting requests, lets running ones finish (or aborts them), then ends the thread."""
+        with self._cond:
+            self._closed = True
+            self._abort_all = not drain
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout)
+
+    # ---- requests (call from an event loop) ------------------------------------------------
+    async def add_request(self, request_id: str, prompt: "PromptType",
+                          params: SamplingParams) -> RequestStream:
+        """Queues a request; returns its stream once the engine accepted it.
+
+        Raises what ``LLMEngine.add_request`` raises (InvalidRequestError, ValueError...),
+        EngineClosedError while shutting down, EngineDeadError after a failed step.
+        """
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, loop)
+        accepted = loop.create_future()
+        with self._cond:
+            self._check_open()
+            self._commands.append(_Add(request_id, prompt, params, stream, accepted))
+            self._pending_adds += 1
+            self._cond.notify()
+        try:
+            stream.prompt_token_ids = await accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return stream
+
+    async def generate(self, request_id: str, prompt: "PromptType",
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs as they are sampled. Leaving early aborts the request."""
+        stream = await self.add_request(request_id, prompt, params)
+        async for output in self.iterate(stream):
+            yield output
+
+    async def iterate(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        """Yields a stream's outputs; a consumer that stops early (disconnect) aborts it."""
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Aborts a request (thread-safe, never blocks); its blocks are freed before the next step."""
+        with self._cond:
+            self._commands.append(_Abort(request_id))
+            self._cond.notify()
+
+    def _check_open(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self._dead!r}")
+        if self._closed:
+            raise EngineClosedError("the server is shutting down and accepts no new requests")
+        if self._thread is None:
+            raise EngineClosedError("the engine is not started: call AsyncLLMEngine.start()")
+
+    # ---- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            commands = self._wait_for_work()
+            if commands is None:
+                return
+            if self._abort_all:
+                commands += [_Abort(request_id) for request_id in self._streams]
+            applied_adds = self._apply(commands)
+            outputs: list[RequestOutput] = []
+            if self.engine.has_unfinished_requests():
+                try:
+                    outputs = self.engine.step()
+                except BaseException as e:  # noqa: BLE001 - every waiter must hear about it
+                    self._die(e)
+                    return
+            self._dispatch(outputs)
+            self._publish_stats(applied_adds)
+
+    def _wait_for_work(self) -> list[_Add | _Abort] | None:
+        """Sleeps until there are commands or unfinished requests; None when it is time to exit."""
+        with self._cond:
+            while not self._commands and not self.engine.has_unfinished_requests():
+                if self._stopping:  # drained: every request has finished
+                    return None
+                self._cond.wait()
+            commands, self._commands = self._commands, []
+            return commands
+
+    def _apply(self, commands: list[_Add | _Abort]) -> int:
+        adds = 0
+        for command in commands:
+            if isinstance(command, _Abort):
+                self.engine.abort_request(command.request_id)
+                continue
+            adds += 1
+            try:
+                prompt_ids = self.engine.add_request(command.request_id, command.prompt, command.params)
+            except Exception as e:  # noqa: BLE001 - user errors go back to the caller
+                _resolve(command.accepted, error=e)
+                continue
+            self._streams[command.request_id] = command.stream
+            _resolve(command.accepted, result=prompt_ids)
+        return adds
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Hands outputs to their streams: one thread-safe call per event loop, not per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            by_loop[stream.loop].append((stream.queue, output))
+        for loop, items in by_loop.items():
+            _call_soon(loop, _deliver, items)
+
+    def _publish_stats(self, applied_adds: int) -> None:
+        scheduler = self.engine.scheduler
+        stats = EngineStats(len(scheduler.running), len(scheduler.waiting), self.engine.num_free_blocks,
+                            self.engine.num_total_blocks, scheduler.num_preemptions)
+        with self._cond:  # together, so that num_waiting never counts a request twice or not at all
+            self._stats = stats
+            self._pending_adds -= applied_adds
+
+    def _die(self, error: BaseException) -> None:
+        with self._cond:
+            self._dead = error
+            commands, self._commands = self._commands, []
+        failure = EngineDeadError(f"the engine stopped after an error: {error!r}")
+        for command in commands:
+            if isinstance(command, _Add):
+                _resolve(command.accepted, error=failure)
+        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        for stream in self._streams.values():
+            by_loop[stream.loop].append((stream.queue, failure))
+        self._streams.clear()
+        for loop, items in by_loop.items():
+            _call_soon(loop, _deliver, items)
+
+
+def _deliver(items: list) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+def _resolve(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
+    def settle() -> None:
+        if future.done():  # the caller was cancelled meanwhile
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    _call_soon(future.get_loop(), settle)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # the loop is closed: nobody is listening any more
+        pass
+
+
+__all__ = ["AsyncLLMEngine", "EngineClosedError", "EngineDeadError", "EngineStats", "RequestStream"]

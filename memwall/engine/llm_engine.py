@@ -1,0 +1,127 @@
+"""LLMEngine: the synchronous engine shared by the offline API, the CLI and the server.
+
+    add_request -> Processor (tokenize, validate, fan out n) -> Scheduler queue
+    step():  scheduler.schedule() -> runner.execute() -> scheduler.update()
+             -> output processor (detokenize, stop strings) -> RequestOutputs
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from memwall.config import EngineArgs
+from memwall.core.kv.manager import KVCacheManager
+from memwall.core.scheduler import Scheduler
+from memwall.engine.output_processor import OutputProcessor
+from memwall.engine.processor import InvalidRequestError, Processor, PromptType
+from memwall.loader.model_loader import DTYPES, LoadedModel, load_model
+from memwall.outputs import RequestOutput
+from memwall.request import Request, RequestStatus
+from memwall.sampling_params import SamplingParams
+from memwall.worker.kv_cache import KVCachePlan, plan_kv_cache
+from memwall.worker.runner import ModelRunner
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs, loaded: LoadedModel) -> None:
+        self.args = args
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        arch = loaded.arch
+        model_len = arch.max_position_embeddings
+        if arch.sliding_window:
+            model_len = min(model_len, arch.sliding_window)
+        sched_cfg = args.scheduler_config(model_len)
+        dtype = DTYPES[args.dtype]
+        self.kv_plan = plan_kv_cache(arch, args.cache_config(), dtype,
+                                     sched_cfg.max_num_seqs * sched_cfg.max_model_len)
+        self.max_model_len = min(sched_cfg.max_model_len, self.kv_plan.max_tokens)
+        self.kv = KVCacheManager(self.kv_plan.num_blocks, self.kv_plan.block_size)
+        self.scheduler = Scheduler(sched_cfg, self.kv)
+        self.runner = ModelRunner(loaded.model, arch, self.kv_plan, dtype, args.seed)
+        self.processor = Processor(self.tokenizer, self.max_model_len, arch.vocab_size)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._aborted: list[Request] = []
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> "LLMEngine":
+        torch.set_num_threads(args.threads or default_threads())
+        loaded = load_model(args.model, args.dtype, args.tokenizer, progress=args.show_progress)
+        return cls(args, loaded)
+
+    @property
+    def model_name(self) -> str:
+        return self.loaded.name
+
+    def describe(self) -> str:
+        return f"{self.kv_plan.describe()}; context window {self.max_model_len} tokens"
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> list[int]:
+        """Queues a request; returns its prompt token ids. Raises InvalidRequestError on bad input."""
+        if request_id in self.outputs.parents:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        prompt_ids = self.processor.tokenize(prompt)
+        children = self.processor.make_requests(request_id, prompt_ids, params)
+        self.outputs.add(request_id, prompt if isinstance(prompt, str) else None, children)
+        for child in children:
+            self.scheduler.add(child)
+        return prompt_ids
+
+    def abort_request(self, request_id: str) -> None:
+        """Stops a request (all of its samples) wherever it is; its blocks are freed at once."""
+        for child in self.outputs.children(request_id):
+            if not child.is_finished:
+                self.scheduler.abort(child.request_id)
+                self.runner.release(child.request_id)
+                self._aborted.append(child)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished or bool(self._aborted)
+
+    # ---- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        touched: list[Request] = self._take_aborted()
+        if not sched.is_empty:
+            result = self.runner.execute(sched)
+            updated = self.scheduler.update(sched, result)
+            self._stamp_first_tokens(updated)
+            for request in self.outputs.detokenize(updated):
+                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            touched.extend(updated)
+        for request in touched:
+            if request.is_finished:
+                self.runner.release(request.request_id)
+        return self.outputs.make_outputs(touched)
+
+    def _take_aborted(self) -> list[Request]:
+        aborted, self._aborted = self._aborted, []
+        return aborted
+
+    @staticmethod
+    def _stamp_first_tokens(updated: list[Request]) -> None:
+        now = time.monotonic()
+        for request in updated:
+            if request.first_token_time is None:
+                request.first_token_time = now
+
+    # ---- introspection (metrics, tests) ----------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.kv.num_total_blocks
+
+
+def default_threads() -> int:
+    """The cores this process may run on (respects taskset/cgroup affinity)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)

@@ -1,0 +1,80 @@
+"""Processor: user input -> validated, tokenized Requests (one per sample when n > 1)."""
+
+from __future__ import annotations
+
+from memwall.request import Request
+from memwall.sampling_params import SamplingParams
+from memwall.tokenizer.tokenizer import Tokenizer
+
+PromptType = str | list[int]
+
+
+class InvalidRequestError(ValueError):
+    """Bad input from a user: the message says what and how to fix it (server: HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class Processor:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    def tokenize(self, prompt: PromptType) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty: give at least one character", "prompt")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+            raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt is empty: give at least one token", "prompt")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary "
+                                      f"(0..{self.vocab_size - 1})", "prompt")
+        return ids
+
+    def make_requests(self, request_id: str, prompt_ids: list[int],
+                      params: SamplingParams) -> list[Request]:
+        max_tokens = self._resolve_max_tokens(prompt_ids, params)
+        eos = self.tokenizer.eos_token_ids
+        children = [params] if params.n == 1 else [params.clone_for_child(i) for i in range(params.n)]
+        requests = []
+        for index, child_params in enumerate(children):
+            child_id = request_id if params.n == 1 else f"{request_id}/{index}"
+            request = Request(child_id, list(prompt_ids), child_params, max_tokens, frozenset(eos))
+            if child_params.prompt_logprobs is not None and index == 0:
+                request.prompt_logprobs.append(None)  # position 0 is not predicted by anything
+            elif child_params.prompt_logprobs is not None:
+                # Only the first sample computes prompt logprobs; the others would repeat them.
+                request.sampling_params = _without_prompt_logprobs(child_params)
+            requests.append(request)
+        return requests
+
+    def _resolve_max_tokens(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        room = self.max_model_len - len(prompt_ids)
+        if room <= 0:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt "
+                f"has {len(prompt_ids)} tokens: shorten the prompt", "prompt", "context_length_exceeded")
+        if params.max_tokens is None:
+            return room
+        if params.max_tokens > room:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} = "
+                f"{len(prompt_ids) + params.max_tokens}: reduce max_tokens or the prompt",
+                "max_tokens", "context_length_exceeded")
+        return params.max_tokens
+
+
+def _without_prompt_logprobs(params: SamplingParams) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, prompt_logprobs=None)

@@ -1,0 +1,206 @@
+"""The ``memwall`` command: ``generate`` a completion, or ``chat`` interactively.
+
+Engine flags are derived from ``EngineArgs`` fields; sampling flags from ``SamplingParams``.
+Every user error ends in one line on stderr and exit code 1, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import typing
+
+from memwall.config import EngineArgs
+from memwall.sampling_params import SamplingParams
+
+SAMPLING_FLAGS = {  # flag -> (type, default, help)
+    "max_tokens": (int, 256, "most tokens to generate"),
+    "temperature": (float, 0.0, "0 = greedy"),
+    "top_p": (float, 1.0, "nucleus sampling threshold"),
+    "top_k": (int, 0, "sample from the k most likely tokens (0 = off)"),
+    "min_p": (float, 0.0, "drop tokens below min_p x the top probability"),
+    "seed": (int, None, "per-request seed"),
+    "repetition_penalty": (float, 1.0, "> 1 discourages repeats"),
+    "stop": (str, None, "stop string (repeatable)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return 2
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, OSError, MemoryError) as e:
+        print(f"memwall: error: {e}", file=sys.stderr)
+        return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="memwall", description="LLM inference engine")
+    sub = parser.add_subparsers(title="commands")
+    gen = sub.add_parser("generate", help="complete a prompt and print the text as it comes")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.set_defaults(run=run_generate)
+    chat = sub.add_parser("chat", help="talk to the model; an empty line or Ctrl-D ends")
+    chat.add_argument("--system", default=None, help="system message")
+    chat.set_defaults(run=run_chat)
+    for p in (gen, chat):
+        add_engine_flags(p)
+        add_sampling_flags(p)
+    add_serve_parser(sub)
+    return parser
+
+
+def add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                       help="GGUF file or Hugging Face directory (default: the embedded model)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer <key>' on /v1 (or set MEMWALL_API_KEY)")
+    serve.add_argument("--max-queue", type=int, default=None,
+                       help="most waiting requests; more get 429 with Retry-After (default: no limit)")
+    serve.add_argument("--served-model-name", action="append", default=None,
+                       help="model name clients use (repeatable; default: the model's own)")
+    add_engine_flags(serve)
+    serve.set_defaults(run=run_serve)
+
+
+# Where the command line wants another default than the library: people at a terminal like
+# to see the model loading.
+CLI_DEFAULTS = {"show_progress": True}
+# Engine fields with no flag: --seed is the per-request sampling seed on the command line.
+CLI_HIDDEN = {"seed"}
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    hints = typing.get_type_hints(EngineArgs)
+    for name, default, help_text in EngineArgs.cli_fields():
+        if name in CLI_HIDDEN:
+            continue
+        default = CLI_DEFAULTS.get(name, default)
+        flag = "--" + name.replace("_", "-")
+        kind = hints[name]
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            continue
+        base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+        parser.add_argument(flag, type=base, default=default, help=help_text, dest=f"engine_{name}")
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    for name, (kind, default, help_text) in SAMPLING_FLAGS.items():
+        action = "append" if name == "stop" else None
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
+                            help=help_text, action=action)
+
+
+def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+    values = {}
+    for name, default, _ in EngineArgs.cli_fields():
+        if name in CLI_HIDDEN:
+            continue
+        values[name] = getattr(args, f"engine_{name}", getattr(args, name, default))
+    return EngineArgs(**values)
+
+
+def sampling_params_from(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(**{name: getattr(args, name) for name in SAMPLING_FLAGS})
+
+
+def _load_engine(args: argparse.Namespace):
+    from memwall.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_args(engine_args_from(args))
+    print(f"memwall: {engine.model_name}: {engine.describe()}", file=sys.stderr)
+    return engine
+
+
+def stream_one(engine, prompt, params: SamplingParams, out=sys.stdout) -> tuple[int, float, float]:
+    """Runs one request, writing text as it is generated. Returns (tokens, ttft_s, total_s)."""
+    request_id = f"cli-{time.monotonic_ns()}"
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt, params)
+    first = None
+    tokens = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            sample = output.outputs[0]
+            if first is None and sample.token_ids:
+                first = time.perf_counter()
+            out.write(sample.delta_text)
+            out.flush()
+            tokens = len(sample.token_ids)
+    end = time.perf_counter()
+    return tokens, (first or end) - start, end - start
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    engine = _load_engine(args)
+    params = sampling_params_from(args)
+    prompt = args.prompt
+    if args.chat:
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+    tokens, ttft, total = stream_one(engine, prompt, params)
+    print(file=sys.stdout)
+    decode_rate = (tokens - 1) / (total - ttft) if tokens > 1 and total > ttft else 0.0
+    print(f"memwall: {tokens} tokens in {total:.2f} s; first token {ttft * 1000:.0f} ms; "
+          f"decode {decode_rate:.1f} tok/s", file=sys.stderr)
+    return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    engine = _load_engine(args)
+    params = sampling_params_from(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or not line.strip():
+            return 0
+        messages.append({"role": "user", "content": line.strip()})
+        text = engine.tokenizer.apply_chat_template(messages)
+        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+        reply = _Capture(sys.stdout)
+        stream_one(engine, prompt, params, out=reply)
+        print(flush=True)
+        messages.append({"role": "assistant", "content": reply.text})
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from memwall.entrypoints.openai.server import run_server  # FastAPI only when serving
+
+    return run_server(args)
+
+
+class _Capture:
+    """Writes through to a stream and remembers what was written."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.parts = stream, []
+
+    def write(self, text: str) -> None:
+        self.parts.append(text)
+        self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Prometheus metrics for GET /metrics, in a registry of the server's own (not the global one, so
+two servers in one process, as in tests, do not collide).
+
+Three sources feed it:
+* ``RequestTracker``: one per engine request, fed each RequestOutput as the serving code reads it
+  (TTFT, inter-token latency, end-to-end latency, tokens, finish reason);
+* ``HTTPMetricsMiddleware``: the HTTP status of every response;
+* ``EngineCollector``: the engine's latest ``EngineStats`` snapshot, read at scrape time (running
+  and waiting requests, KV-cache usage, preemptions), so nothing polls the engine in between.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from memwall.engine.async_engine import AsyncLLMEngine
+from memwall.outputs import RequestOutput
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+               0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+               40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncLLMEngine) -> None:
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.http_requests = Counter("memwall:http_requests", "HTTP responses by route and status",
+                                     ["path", "status"], registry=reg)
+        self.request_success = Counter("memwall:request_success",
+                                       "Finished completions (one per choice) by finish reason",
+                                       ["finished_reason"], registry=reg)
+        self.prompt_tokens = Counter("memwall:prompt_tokens", "Prefilled prompt tokens", registry=reg)
+        self.generation_tokens = Counter("memwall:generation_tokens", "Generated tokens", registry=reg)
+        self.ttft = Histogram("memwall:time_to_first_token_seconds", "Arrival to first token",
+                              buckets=TTFT_BUCKETS, registry=reg)
+        self.itl = Histogram("memwall:inter_token_latency_seconds", "Time between streamed outputs",
+                             buckets=ITL_BUCKETS, registry=reg)
+        self.e2e = Histogram("memwall:e2e_request_latency_seconds", "Arrival to finish",
+                             buckets=E2E_BUCKETS, registry=reg)
+        reg.register(EngineCollector(engine))
+
+    def render(self) -> tuple[bytes, str]:
+        """(body, content type) for the /metrics response."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def tracker(self, arrival: float | None = None) -> "RequestTracker":
+        return RequestTracker(self, arrival if arrival is not None else time.monotonic())
+
+
+@dataclass
+class RequestTracker:
+    """Latency and token accounting for one engine request (all n of its samples)."""
+
+    metrics: ServerMetrics
+    arrival: float
+    last_token_time: float | None = None
+    done: bool = False
+    num_prompt_tokens: int = 0
+    num_generated: dict[int, int] = field(default_factory=dict)
+
+    def observe(self, output: RequestOutput) -> None:
+        now = time.monotonic()
+        self.num_prompt_tokens = len(output.prompt_token_ids)
+        if any(c.delta_token_ids for c in output.outputs):
+            if self.last_token_time is None:
+                self.metrics.ttft.observe(now - self.arrival)
+            else:
+                self.metrics.itl.observe(now - self.last_token_time)
+            self.last_token_time = now
+        for c in output.outputs:
+            self.num_generated[c.index] = len(c.token_ids)
+        if output.finished:
+            self._finish([c.finish_reason or "abort" for c in output.outputs], now)
+
+    def close(self) -> None:
+        """Call when the consumer stops; a request that never finished counts as aborted."""
+        if not self.done:
+            self._finish(["abort"] * max(1, len(self.num_generated)), time.monotonic())
+
+    def _finish(self, reasons: list[str], now: float) -> None:
+        if self.done:
+            return
+        self.done = True
+        for reason in reasons:
+            self.metrics.request_success.labels(finished_reason=reason).inc()
+        self.metrics.prompt_tokens.inc(self.num_prompt_tokens)
+        self.metrics.generation_tokens.inc(sum(self.num_generated.values()))
+        self.metrics.e2e.observe(now - self.arrival)
+
+
+class EngineCollector:
+    """Engine gauges computed at scrape time from the engine thread's latest snapshot."""
+
+    def __init__(self, engine: AsyncLLMEngine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        stats = self.engine.stats
+        gauges = {
+            "memwall:num_requests_running": ("Sequences running in the engine", stats.num_running),
+            "memwall:num_requests_waiting": ("Sequences waiting to be scheduled", self.engine.num_waiting),
+            "memwall:kv_cache_usage_perc": ("Share of KV-cache blocks in use (0..1)", stats.kv_cache_usage),
+            "memwall:kv_cache_free_blocks": ("Free KV-cache blocks", stats.num_free_blocks),
+            "memwall:kv_cache_total_blocks": ("KV-cache blocks in all", stats.num_total_blocks),
+        }
+        for name, (help_text, value) in gauges.items():
+            yield GaugeMetricFamily(name, help_text, value=value)
+        yield CounterMetricFamily("memwall:num_preemptions", "Requests preempted so far",
+                                  value=stats.num_preemptions)
+
+
+class HTTPMetricsMiddleware:
+    """Pure ASGI middleware counting responses by path and status (streaming-safe)."""
+
+    def __init__(self, app, metrics: ServerMetrics, known_paths: set[str]) -> None:
+        self.app, self.metrics, self.known_paths = app, metrics, known_paths
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        # Unknown paths share one label, so that scanners cannot blow up the series count.
+        path = scope.get("path", "")
+        label = path if path in self.known_paths else "other"
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.http_requests.labels(path=label, status=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

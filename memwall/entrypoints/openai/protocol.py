@@ -1,0 +1,258 @@
+"""The wire format: pydantic models for OpenAI-compatible requests and responses.
+
+Field names, types and defaults follow the OpenAI API reference; memwall extensions (top_k,
+min_p, repetition_penalty, min_tokens, ignore_eos, ...) follow vLLM's names. Bounds live here so
+that a bad value is a 400 with the field's name before anything reaches the engine; the rest of
+the validation is ``SamplingParams``' own (one source of truth for the messages).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from memwall.sampling_params import SamplingParams
+
+# Upper bounds that keep one request from monopolising the server (or the sampler's tensors).
+MAX_N = 128
+MAX_LOGPROBS = 20
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+NonEmptyTokens = Annotated[list[int], Field(min_length=1)]
+
+
+class OpenAIModel(BaseModel):
+    # Unknown fields are ignored (clients send vendor extras); NaN and Infinity are refused, since
+    # Python's JSON parser accepts them and they would poison a whole batch's logits.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool | None = False
+    """Send one last chunk with the request's usage (and no choices) before [DONE]."""
+    continuous_usage_stats: bool | None = False
+    """Attach the usage so far to every chunk (vLLM extension)."""
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    """Served model name; None means the one model this server has."""
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # memwall / vLLM extensions
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    # Far below 1 a penalty divides logits by ~0 and overflows them; far above it is just noise.
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """Raises ValueError (-> 400) with SamplingParams' message for values it refuses."""
+        optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                        min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                        presence_penalty=self.presence_penalty,
+                        frequency_penalty=self.frequency_penalty)
+        return SamplingParams(
+            n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            **{k: v for k, v in optional.items() if v is not None})
+
+
+# ---- /v1/completions ---------------------------------------------------------------------------
+class CompletionRequest(SamplingRequest):
+    prompt: str | NonEmptyTokens | Annotated[list[str], Field(min_length=1)] \
+        | Annotated[list[NonEmptyTokens], Field(min_length=1)]
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+
+class UsageInfo(OpenAIModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(OpenAIModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- /v1/chat/completions ----------------------------------------------------------------------
+class ContentPart(OpenAIModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = Field(None, ge=1)
+    """Deprecated by OpenAI in favour of max_completion_tokens; still honoured."""
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+
+class TopLogprob(OpenAIModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(OpenAIModel):
+    content: list[ChatLogprobToken] | None = None
+
+
+class ChatResponseMessage(OpenAIModel):
+    role: Literal["assistant"] = "assistant"
+    content: str = ""
+
+
+class ChatChoice(OpenAIModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(OpenAIModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(OpenAIModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- models, tokenizer, errors -----------------------------------------------------------------
+class ModelCard(OpenAIModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "memwall"
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(OpenAIModel):
+    """Either a prompt (text) or messages (rendered with the chat template first)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+    """Default: True for a prompt (BOS, as for completions), False for messages (the template has it)."""
+
+
+class TokenizeResponse(OpenAIModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIModel):
+    prompt: str
+
+
+class ErrorInfo(OpenAIModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(OpenAIModel):
+    error: ErrorInfo

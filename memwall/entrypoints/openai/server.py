@@ -1,0 +1,199 @@
+"""The FastAPI app (``build_app``) and the process around it (``serve``: socket, uvicorn, signals).
+
+Routes:  POST /v1/completions   POST /v1/chat/completions   GET /v1/models
+         GET /health  GET /metrics  GET /version  POST /tokenize  POST /detokenize
+With an API key, every /v1 route needs ``Authorization: Bearer <key>`` (else 401).
+
+Shutdown (SIGTERM or Ctrl-C, handled by uvicorn): stop accepting connections, let open
+requests finish, then the lifespan hook drains and stops the engine thread.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+import memwall
+from memwall.engine.async_engine import AsyncLLMEngine
+from memwall.entrypoints.openai.errors import APIError, bad_request, install_error_handlers
+from memwall.entrypoints.openai.metrics import HTTPMetricsMiddleware, ServerMetrics
+from memwall.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from memwall.entrypoints.openai.serving_chat import OpenAIServingChat, template_message
+from memwall.entrypoints.openai.serving_completions import OpenAIServingCompletion
+
+logger = logging.getLogger("memwall.server")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_names: list[str] = field(default_factory=list)
+    """Names clients may send as "model"; empty = the engine's model name."""
+    api_key: str | None = None
+    """When set, /v1 routes need "Authorization: Bearer <api_key>"."""
+    max_queue: int | None = None
+    """At most this many requests wait for a slot; more get 429 + Retry-After. None = no limit."""
+    drain_timeout: float | None = None
+    """Seconds to wait for running requests at shutdown; None = as long as they take."""
+
+
+def build_app(engine: AsyncLLMEngine, settings: ServerSettings | None = None) -> FastAPI:
+    """The ASGI app. Its lifespan starts the engine thread and drains it at shutdown."""
+    settings = settings or ServerSettings()
+    names = settings.served_model_names or [engine.model_name]
+    metrics = ServerMetrics(engine)
+    completions = OpenAIServingCompletion(engine, metrics, names, settings.max_queue)
+    chat = OpenAIServingChat(engine, metrics, names, settings.max_queue)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await engine.shutdown(drain=True, timeout=settings.drain_timeout)
+
+    errors = {status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 500, 503)}
+    app = FastAPI(title="memwall", version=memwall.__version__, lifespan=lifespan, responses=errors)
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+        return await completions.create(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await chat.create(body, raw)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=n, max_model_len=engine.max_model_len) for n in names])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            raise APIError(503, f"the engine is not running ({engine.dead_error!r})")
+        return JSONResponse({})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": memwall.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        chat.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of prompt (text) or messages (a conversation)")
+        if body.messages is not None:
+            text = engine.tokenizer.apply_chat_template(
+                [template_message(m) for m in body.messages],
+                add_generation_prompt=body.add_generation_prompt)
+            special = bool(body.add_special_tokens)
+        else:
+            text = body.prompt
+            special = body.add_special_tokens is not False
+        ids = engine.tokenizer.encode(text, add_special_tokens=special)
+        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        chat.check_model(body.model)
+        chat.check_token_ids(body.tokens, "tokens")
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
+
+    if settings.api_key:
+        app.add_middleware(BearerAuthMiddleware, api_key=settings.api_key)
+    # Added last, so outermost: it also counts the 401s the auth middleware answers.
+    known = {route.path for route in app.routes}
+    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics, known_paths=known)
+    app.state.metrics = metrics
+    return app
+
+
+class BearerAuthMiddleware:
+    """Pure ASGI: /v1 routes need the API key; checked before the body is even read."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope.get("path", "").startswith("/v1"):
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):  # constant time: no timing oracle
+            return await self.app(scope, receive, send)
+        error = APIError(401, "invalid or missing API key: send the header "
+                              "'Authorization: Bearer <key>'", code="invalid_api_key",
+                         headers={"WWW-Authenticate": "Bearer"})
+        await error.response()(scope, receive, send)
+
+
+# ---- running the server --------------------------------------------------------------------
+def server_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket with TCP_NODELAY, handed to uvicorn.
+
+    Nagle's algorithm would hold a small SSE event (one token) back until the previous one is
+    acknowledged; accepted sockets inherit TCP_NODELAY from the listener on Linux (and asyncio
+    sets it on every TCP transport too), so each token leaves at once.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def uvicorn_server(app: FastAPI, log_level: str = "info"):
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=None,
+                            backlog=2048, access_log=False)
+    return uvicorn.Server(config)
+
+
+def serve(engine: AsyncLLMEngine, settings: ServerSettings, host: str, port: int) -> None:
+    """Runs until SIGINT/SIGTERM, then shuts down gracefully."""
+    sock = server_socket(host, port)
+    logger.info("memwall serving %s on http://%s:%d", engine.model_name, host, sock.getsockname()[1])
+    uvicorn_server(build_app(engine, settings)).run(sockets=[sock])
+
+
+def run_server(args) -> int:
+    """``memwall serve`` (args from the CLI parser; engine flags are already parsed there)."""
+    import os
+
+    from memwall.entrypoints.cli import engine_args_from
+    from memwall.engine.llm_engine import LLMEngine
+
+    if args.model_path:
+        args.engine_model = args.model_path
+    llm_engine = LLMEngine.from_args(engine_args_from(args))
+    print(f"memwall: {llm_engine.model_name}: {llm_engine.describe()}", flush=True)
+    names = args.served_model_name or []
+    api_key = args.api_key or os.environ.get("MEMWALL_API_KEY") or None
+    settings = ServerSettings(served_model_names=names, api_key=api_key, max_queue=args.max_queue)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    serve(AsyncLLMEngine(llm_engine), settings, args.host, args.port)
+    return 0

@@ -1,0 +1,238 @@
+"""What /v1/completions and /v1/chat/completions share: admission checks, starting engine
+requests, reading their outputs (with metrics), SSE framing, and client-disconnect handling.
+
+The life of one HTTP request here:
+
+    check_model -> check_capacity -> start() (one engine request per prompt; all or none)
+      -> stream:     outputs() -> SSE chunks, flushed one by one -> "data: [DONE]"
+      -> non-stream: until_disconnect(final_outputs()) -> one JSON body
+
+Leaving ``outputs()`` early for any reason (a disconnect cancels the task that reads it) aborts
+every engine request it covers, so their KV blocks are freed before the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from memwall.engine.async_engine import AsyncLLMEngine, RequestStream
+from memwall.entrypoints.openai.errors import APIError, api_error_from, bad_request
+from memwall.entrypoints.openai.metrics import RequestTracker, ServerMetrics
+from memwall.entrypoints.openai.protocol import SamplingRequest, UsageInfo
+from memwall.outputs import RequestOutput
+from memwall.sampling_params import SamplingParams
+
+T = TypeVar("T")
+SSE_DONE = "data: [DONE]\n\n"
+# Most choices (prompts x n) one request may ask for: beyond it one client can fill the engine.
+MAX_CHOICES = 256
+# JSON has no -inf; OpenAI clients expect a number, so impossible tokens get this instead.
+MIN_LOGPROB = -9999.0
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready; there is nobody to answer."""
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, metrics: ServerMetrics, model_names: list[str],
+                 max_queue: int | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.model_names = model_names
+        self.max_queue = max_queue
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # ---- admission -------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> str:
+        """The served name to echo back; 404 for a model this server does not have."""
+        if name is None or name in self.model_names:
+            return name or self.model_names[0]
+        raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                            f"{', '.join(map(repr, self.model_names))}", "model", "model_not_found")
+
+    def check_capacity(self) -> None:
+        """429 with Retry-After once --max-queue requests are already waiting."""
+        if self.max_queue is None:
+            return
+        waiting = self.engine.num_waiting
+        if waiting >= self.max_queue:
+            raise APIError(429, f"the server is busy: {waiting} requests are waiting (limit "
+                                f"{self.max_queue}); retry shortly", code="queue_full",
+                           headers={"Retry-After": "1"})
+
+    def check_common(self, request: SamplingRequest, num_prompts: int) -> None:
+        if num_prompts * request.n > MAX_CHOICES:
+            raise bad_request(f"{num_prompts} prompts x n={request.n} = {num_prompts * request.n} "
+                              f"choices; at most {MAX_CHOICES} per request", "n")
+        self.check_token_ids(request.stop_token_ids or [], "stop_token_ids")
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.engine.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} in {param} is outside the vocabulary (0..{vocab - 1})",
+                              param)
+
+    def clamp(self, params: SamplingParams) -> SamplingParams:
+        # top_k above the vocabulary means "no top-k"; the sampler must never see k > vocab.
+        if params.top_k > self.engine.vocab_size:
+            params.top_k = 0
+        return params
+
+    # ---- running ---------------------------------------------------------------------------
+    @staticmethod
+    def new_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    async def start(self, request_id: str, prompts: list, params: SamplingParams
+                    ) -> tuple[list[RequestStream], list[RequestTracker]]:
+        """Adds one engine request per prompt; if one is refused, the others are aborted."""
+        trackers = [self.metrics.tracker() for _ in prompts]
+        streams: list[RequestStream] = []
+        try:
+            for index, prompt in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{index}"
+                streams.append(await self.engine.add_request(rid, prompt, params))
+        except BaseException:
+            for stream in streams:
+                self.engine.abort(stream.request_id)
+            raise
+        return streams, trackers
+
+    async def outputs(self, streams: list[RequestStream], trackers: list[RequestTracker]
+                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) from all streams as they arrive; leaving early aborts them."""
+        try:
+            if len(streams) == 1:
+                async for output in self.engine.iterate(streams[0]):
+                    trackers[0].observe(output)
+                    yield 0, output
+                return
+            async for index, output in _merge([self.engine.iterate(s) for s in streams]):
+                trackers[index].observe(output)
+                yield index, output
+        finally:
+            for stream in streams:
+                if not stream.finished:
+                    self.engine.abort(stream.request_id)
+            for tracker in trackers:
+                tracker.close()
+
+    async def final_outputs(self, streams: list[RequestStream], trackers: list[RequestTracker]
+                            ) -> list[RequestOutput]:
+        """The finished output of each stream, its texts rebuilt from the streamed deltas.
+
+        Why rebuild: the engine's final ``text`` is read before the detokenizer's last flush
+        (a trailing incomplete character), so it can lack what the deltas carried. Joining the
+        deltas makes a non-streamed response equal to the streamed one, always.
+        """
+        last: dict[int, RequestOutput] = {}
+        texts: dict[tuple[int, int], list[str]] = {}
+        async for index, output in self.outputs(streams, trackers):
+            last[index] = output
+            for sample in output.outputs:
+                texts.setdefault((index, sample.index), []).append(sample.delta_text)
+        for index, output in last.items():
+            for sample in output.outputs:
+                sample.text = "".join(texts[(index, sample.index)])
+        return [last[i] for i in range(len(streams))]
+
+    # ---- responses -------------------------------------------------------------------------
+    @staticmethod
+    def usage(outputs: list[RequestOutput]) -> UsageInfo:
+        """Prompt tokens count once per prompt (not per choice), as OpenAI bills them."""
+        prompt = sum(len(o.prompt_token_ids) for o in outputs)
+        completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                         total_tokens=prompt + completion)
+
+    @staticmethod
+    def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+        # No buffering anywhere: each event is sent (and flushed) as soon as it is yielded.
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @staticmethod
+    async def sse_events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+        """SSE-frames chunks; an error after the headers went out becomes an error event."""
+        try:
+            async for chunk in chunks:
+                yield sse(chunk)
+        except Exception as exc:  # noqa: BLE001 - the status line is gone; tell the client in-band
+            yield sse(api_error_from(exc).body)
+        yield SSE_DONE
+
+
+def sse(model: BaseModel) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+def safe_logprob(value: float) -> float:
+    return value if math.isfinite(value) else MIN_LOGPROB
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Awaits ``work`` unless the client disconnects first; then cancels it (aborting its requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    raise ClientDisconnected()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read by now, so the next ASGI message can only be the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _merge(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items from several async iterators as they come, tagged with the iterator's index."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, iterator: AsyncIterator[T]) -> None:
+        try:
+            async for item in iterator:
+                queue.put_nowait((index, item))
+        except Exception as exc:  # noqa: BLE001 - re-raised in the consumer
+            queue.put_nowait((index, exc))
+        queue.put_nowait((index, done))
+
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,132 @@
+"""The Llama family: Llama 2/3 (incl. Llama-3 rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+One class covers all four: they differ only in the flags of ``ModelArchConfig``. The model takes
+a flat token axis (all sequences of the step concatenated) and a paged KV cache, so prefill
+chunks and decodes share one forward pass. Parameter names are the Hugging Face ones, so a
+checkpoint's tensors load by name.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from memwall.attention.metadata import AttentionMetadata
+from memwall.attention.paged_torch import paged_attention, write_kv
+from memwall.config import ModelArchConfig
+from memwall.layers.norm import RMSNorm
+from memwall.layers.rotary import RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: K and V [num_blocks, block_size, kv_heads, head_dim]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        hidden, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        if cfg.qk_norm:  # Qwen3 normalizes each head's q and k before rotary
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary = rotary
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+        o = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, D]
+        return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, rotary)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelArchConfig) -> None:
+        super().__init__()
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                 cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, kv_cache, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelArchConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden] (logits are taken separately)."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [N, vocab]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies checkpoint tensors in by HF name; a missing or misshapen tensor is an error."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # old checkpoints store the rope table; we compute our own
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} does not belong to this model")
+            param = params[name]
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(param.shape)}")
+            param.data.copy_(tensor)
+            loaded.add(name)
+        tied = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        missing = set(params) - loaded - tied
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")

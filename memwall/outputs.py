@@ -1,0 +1,51 @@
+"""What the engine hands back to users: RequestOutput with one CompletionOutput per sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One candidate token at one position: its log-probability and rank (1 = most likely)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per position: token id -> Logprob (the chosen token plus the top-k candidates).
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    """None while running; then "stop" (EOS, stop string or stop token), "length" or "abort"."""
+    stop_reason: int | str | None = None
+    """The stop string or stop token id that ended the output, if any."""
+    delta_text: str = ""
+    """Text added since the previous RequestOutput for this request (for streaming)."""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[PositionLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,81 @@
+"""Request: the engine's mutable record of one sequence being generated.
+
+A request with ``n > 1`` is fanned out into n of these by the engine; each is scheduled on its own.
+Everything the scheduler needs is here: the tokens known so far, how many of them already have KV
+in the cache (``num_computed_tokens``), and the status.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from memwall.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int
+    """Resolved output budget: min(params.max_tokens, context window - prompt length)."""
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    """Tokens (prompt then output) whose KV is in the cache."""
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    # Filled by the runner as results come back (indexes match output_token_ids).
+    output_logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
+    """One entry per prompt position (position 0 has none: it is not predicted)."""
+    first_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Still owes prompt logprobs (they are computed once, even if the request is preempted)."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        prompt_len = self.num_prompt_tokens
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        return self.all_token_ids[start:end]

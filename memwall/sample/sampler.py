@@ -1,0 +1,104 @@
+"""Sampler: one step's logits -> sampled token ids (+ logprobs of the raw logits).
+
+Pipeline: logprobs (raw logits) -> banned tokens -> penalties -> greedy rows take argmax ->
+random rows: temperature, top-k, top-p, min-p, then an exponential race per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from memwall.sample.logprobs import LogprobsTensors, compute_logprobs
+from memwall.sample.metadata import SamplingMetadata
+from memwall.sample.penalties import apply_banned_tokens, apply_penalties
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: LogprobsTensors | None  # None when max_num_logprobs is None
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        # A float32 copy: the caller's logits stay raw for the logprobs, and we edit in place.
+        work = logits.to(torch.float32, copy=True)  # [B, V]
+        apply_banned_tokens(work, meta.banned_token_ids)
+        if not meta.no_penalties:
+            apply_penalties(work, meta)
+        sampled = self._sample(work, meta)  # [B]
+        logprobs = None
+        if meta.max_num_logprobs is not None:
+            logprobs = compute_logprobs(logits, sampled, meta.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        # torch.argmax returns the first maximal index, so ties break towards the lower id.
+        if meta.all_greedy:
+            return logits.argmax(dim=-1)  # [B]
+        temperature = meta.temperature.to(logits.device)  # [B]
+        random_rows = (temperature > 0).nonzero().flatten()  # [R]
+        sampled = logits.argmax(dim=-1) if not meta.all_random else torch.empty(
+            logits.shape[0], dtype=torch.int64, device=logits.device)  # [B]
+        rows = random_rows.tolist()
+        sub = logits[random_rows] * temperature[random_rows, None]  # [R, V]
+        sub = apply_top_k_top_p(sub, meta.top_k.to(logits.device)[random_rows],
+                                meta.top_p.to(logits.device)[random_rows])
+        sub = apply_min_p(sub, meta.min_p.to(logits.device)[random_rows])
+        probs = torch.softmax(sub, dim=-1)  # [R, V]
+        sampled[random_rows] = exponential_race(probs, [meta.generators[i] for i in rows])
+        return sampled
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask everything outside the top k, then outside the nucleus of the top-k distribution
+    (the smallest set of most likely tokens whose probability sums to >= p). One sort serves both."""
+    use_k, use_p = bool((top_k > 0).any()), bool((top_p < 1.0).any())
+    if not (use_k or use_p):
+        return logits
+    vocab = logits.shape[-1]
+    ascending, order = logits.sort(dim=-1)  # [R, V], [R, V]
+    if use_k:
+        # k = 0 (off) or k >= V reads position 0, the minimum: nothing is strictly below it.
+        kth = (vocab - top_k.clamp(min=0, max=vocab)) % vocab  # [R]
+        threshold = ascending.gather(1, kth[:, None])  # [R, 1]
+        # Ties with the k-th value are kept (same as vLLM/HF): the cut is by value, not position.
+        ascending = ascending.masked_fill(ascending < threshold, float("-inf"))  # [R, V]
+    if use_p:
+        cumulative = torch.softmax(ascending, dim=-1).cumsum(dim=-1)  # [R, V]
+        # Drop a token if everything at or below it sums to <= 1 - p: the rest still reaches p.
+        drop = cumulative <= (1.0 - top_p)[:, None]  # [R, V]
+        drop[:, -1] = False  # the most likely token always survives
+        ascending = ascending.masked_fill(drop, float("-inf"))  # [R, V]
+    return torch.empty_like(logits).scatter_(1, order, ascending)  # [R, V] back in vocab order
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p times the most likely token's. The ratio
+    p_i / p_max is unchanged by renormalisation, so this may follow top-k/top-p."""
+    if not bool((min_p > 0).any()):
+        return logits
+    probs = torch.softmax(logits, dim=-1)  # [R, V]
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # [R, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))  # [R, V]
+
+
+def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """argmax(probs / q) with q ~ Exp(1) i.i.d. picks token i with probability probs[i]
+    (the Gumbel-max trick in another guise), without a CDF search.
+
+    A row with its own generator draws exactly V numbers from it and nothing else, so a seeded
+    request gets the same tokens whatever shares its batch. Unseeded rows share one batched draw.
+    """
+    q = torch.empty_like(probs)  # [R, V]
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        q[unseeded] = torch.empty(len(unseeded), probs.shape[-1], device=probs.device).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            # Draw on the generator's own device so a CPU generator works for GPU logits too.
+            q[i] = torch.empty(probs.shape[-1], device=g.device).exponential_(generator=g).to(probs.device)
+    # q == 0 is possible in principle; a tiny floor keeps 0/0 from turning into NaN.
+    return (probs / q.clamp_(min=1e-30)).argmax(dim=-1)  # [R]

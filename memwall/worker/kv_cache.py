@@ -1,0 +1,78 @@
+"""Sizing and allocating the paged KV cache tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from memwall.config import CacheConfig, ModelArchConfig
+
+
+def bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of every layer for ``block_size`` tokens."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * arch.num_hidden_layers * block_size * arch.num_key_value_heads * arch.head_dim * elem
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux); falls back to 4 GiB elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+
+    @property
+    def max_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    def describe(self) -> str:
+        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
+                f"{self.max_tokens} tokens, {self.total_bytes / 2**20:.1f} MiB")
+
+
+def plan_kv_cache(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype,
+                  max_useful_tokens: int) -> KVCachePlan:
+    """Blocks from an explicit count, a byte budget, or a fraction of free memory.
+
+    A budget larger than ``max_useful_tokens`` (all sequences at full context) is trimmed: the
+    extra blocks could never be used.
+    """
+    per_block = bytes_per_block(arch, cache.block_size, dtype)
+    if cache.num_blocks is not None:
+        return KVCachePlan(cache.num_blocks, cache.block_size, per_block)
+    budget = cache.kv_cache_memory
+    if budget is None:
+        budget = int(available_memory_bytes() * cache.kv_cache_fraction)
+    num_blocks = min(budget // per_block, -(-max_useful_tokens // cache.block_size))
+    if num_blocks < 1:
+        raise ValueError(f"a KV budget of {budget} bytes holds no block of {per_block} bytes: "
+                         "raise --kv-cache-memory")
+    return KVCachePlan(int(num_blocks), cache.block_size, per_block)
+
+
+def allocate_kv_cache(arch: ModelArchConfig, plan: KVCachePlan, dtype: torch.dtype,
+                      device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (K, V) pair per layer, each [num_blocks, block_size, kv_heads, head_dim], zeroed.
+
+    Zeroed rather than empty: padded decode batches read unused slots (masked out), and masked
+    garbage that happens to be NaN would still poison the softmax-weighted sum.
+    """
+    shape = (plan.num_blocks, plan.block_size, arch.num_key_value_heads, arch.head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(arch.num_hidden_layers)]

@@ -1,0 +1,105 @@
+"""ModelRunner: SchedulerOutput -> forward pass -> sampler -> RunnerOutput.
+
+It owns the model, the KV cache tensors and the per-request random generators; it knows
+nothing of queues or stop conditions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memwall.config import ModelArchConfig
+from memwall.core.step import RunnerOutput, SampledToken, SchedulerOutput
+from memwall.outputs import Logprob
+from memwall.request import Request
+from memwall.sample.logprobs import LogprobsTensors, compute_logprobs
+from memwall.sample.metadata import SamplingMetadata
+from memwall.sample.sampler import Sampler
+from memwall.worker.input_batch import InputBatch
+from memwall.worker.kv_cache import KVCachePlan, allocate_kv_cache
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, arch: ModelArchConfig, plan: KVCachePlan,
+                 dtype: torch.dtype, seed: int = 0) -> None:
+        self.model = model
+        self.block_size = plan.block_size
+        self.kv_caches = allocate_kv_cache(arch, plan, dtype)
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator] = {}
+        torch.manual_seed(seed)  # the shared generator used by unseeded requests
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        batch = InputBatch.build(sched.chunks, self.block_size)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        logits = self.model.compute_logits(hidden[batch.logit_token_index])  # [rows, vocab]
+        out = RunnerOutput()
+        if batch.sampling_chunks:
+            self._sample(logits[: len(batch.sampling_chunks)], batch, out)
+        for rows in batch.prompt_rows:
+            if not rows.rows:
+                continue
+            lp = compute_logprobs(logits[rows.rows], torch.tensor(rows.targets), rows.top_k)
+            out.prompt_logprobs[rows.request_id] = _logprob_dicts(lp)
+        return out
+
+    def _sample(self, logits: torch.Tensor, batch: InputBatch, out: RunnerOutput) -> None:
+        requests = [c.request for c in batch.sampling_chunks]
+        meta = SamplingMetadata.build(
+            [r.sampling_params for r in requests],
+            [self._generator(r) for r in requests],
+            [r.prompt_token_ids for r in requests],
+            [r.output_token_ids for r in requests],
+            [_banned_ids(r) for r in requests],
+        )
+        result = self.sampler(logits, meta)
+        tokens = result.sampled_token_ids.tolist()
+        dicts = _logprob_dicts(result.logprobs) if result.logprobs is not None else [None] * len(tokens)
+        for request, token, lp in zip(requests, tokens, dicts):
+            if request.sampling_params.logprobs is None:
+                lp = None
+            elif lp is not None:
+                lp = _trim_top(lp, token, request.sampling_params.logprobs)
+            out.sampled[request.request_id] = SampledToken(token, lp)
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return None
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            gen = self._generators[request.request_id] = torch.Generator().manual_seed(seed)
+        return gen
+
+    def release(self, request_id: str) -> None:
+        """Forgets per-request state once a request is finished."""
+        self._generators.pop(request_id, None)
+
+
+def _banned_ids(request: Request) -> list[int]:
+    """EOS and stop tokens are masked until min_tokens have been generated."""
+    params = request.sampling_params
+    if request.num_output_tokens >= params.min_tokens:
+        return []
+    banned = list(params.stop_token_ids)
+    if not params.ignore_eos:
+        banned.extend(request.eos_token_ids)
+    return banned
+
+
+def _logprob_dicts(lp: LogprobsTensors) -> list[dict[int, Logprob]]:
+    """Row i -> {token id: Logprob}: the row's own token first, then its top-k."""
+    ids, values, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+    rows = []
+    for row_ids, row_values, rank in zip(ids, values, ranks):
+        entry = {row_ids[0]: Logprob(row_values[0], rank)}
+        for i, (tid, value) in enumerate(zip(row_ids[1:], row_values[1:])):
+            entry.setdefault(tid, Logprob(value, i + 1))
+        rows.append(entry)
+    return rows
+
+
+def _trim_top(entry: dict[int, Logprob], token: int, k: int) -> dict[int, Logprob]:
+    """The batch computes max(k) top entries; keep this request's k (plus its sampled token)."""
+    return {tid: lp for tid, lp in entry.items() if tid == token or (lp.rank or 0) <= k}
