@@ -3,10 +3,22 @@
 Public surface: ``LLM`` (offline batch API), ``SamplingParams``, ``RequestOutput``.
 """
 
+import logging
+
 from memwall.outputs import CompletionOutput, RequestOutput
 from memwall.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
+
+# Start-up facts (KV blocks, context window) go to stderr unless the application configures
+# logging itself, as vLLM does.
+_logger = logging.getLogger("memwall")
+if not _logger.handlers:
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("memwall: %(message)s"))
+    _logger.addHandler(_handler)
+    _logger.setLevel(logging.INFO)
+    _logger.propagate = False
 
 
 def __getattr__(name: str):

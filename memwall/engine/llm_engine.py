@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -21,8 +22,10 @@ from memwall.loader.model_loader import DTYPES, LoadedModel, load_model
 from memwall.outputs import RequestOutput
 from memwall.request import Request, RequestStatus
 from memwall.sampling_params import SamplingParams
-from memwall.worker.kv_cache import KVCachePlan, plan_kv_cache
+from memwall.worker.kv_cache import plan_kv_cache
 from memwall.worker.runner import ModelRunner
+
+logger = logging.getLogger("memwall")
 
 
 class LLMEngine:
@@ -45,6 +48,7 @@ class LLMEngine:
         self.processor = Processor(self.tokenizer, self.max_model_len, arch.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer)
         self._aborted: list[Request] = []
+        logger.info("%s: %s", self.model_name, self.describe())
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "LLMEngine":

@@ -119,9 +119,7 @@ def sampling_params_from(args: argparse.Namespace) -> SamplingParams:
 def _load_engine(args: argparse.Namespace):
     from memwall.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_args(engine_args_from(args))
-    print(f"memwall: {engine.model_name}: {engine.describe()}", file=sys.stderr)
-    return engine
+    return LLMEngine.from_args(engine_args_from(args))
 
 
 def stream_one(engine, prompt, params: SamplingParams, out=sys.stdout) -> tuple[int, float, float]:

@@ -47,7 +47,8 @@ def _token_counts(token_lists: list[list[int]], rows_wanted: list[int],
     return counts
 
 
-def _flatten(lists: list[list[int]], rows_wanted: Iterable[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _flatten(lists: list[list[int]], rows_wanted: Iterable[int],
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Row and column index tensors for every (i, t) with t in lists[i] and i in rows_wanted."""
     rows = [i for i in rows_wanted for _ in lists[i]]
     cols = [t for i in rows_wanted for t in lists[i]]

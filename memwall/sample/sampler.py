@@ -38,17 +38,16 @@ class Sampler:
         # torch.argmax returns the first maximal index, so ties break towards the lower id.
         if meta.all_greedy:
             return logits.argmax(dim=-1)  # [B]
-        temperature = meta.temperature.to(logits.device)  # [B]
-        random_rows = (temperature > 0).nonzero().flatten()  # [R]
-        sampled = logits.argmax(dim=-1) if not meta.all_random else torch.empty(
-            logits.shape[0], dtype=torch.int64, device=logits.device)  # [B]
-        rows = random_rows.tolist()
-        sub = logits[random_rows] * temperature[random_rows, None]  # [R, V]
-        sub = apply_top_k_top_p(sub, meta.top_k.to(logits.device)[random_rows],
-                                meta.top_p.to(logits.device)[random_rows])
-        sub = apply_min_p(sub, meta.min_p.to(logits.device)[random_rows])
-        probs = torch.softmax(sub, dim=-1)  # [R, V]
-        sampled[random_rows] = exponential_race(probs, [meta.generators[i] for i in rows])
+        device = logits.device
+        temperature = meta.temperature.to(device)  # [B]
+        rows = (temperature > 0).nonzero().flatten()  # [R] the random rows
+        sampled = logits.argmax(dim=-1)  # [B]; random rows are overwritten below
+        random_logits = logits[rows] / temperature[rows, None]  # [R, V]
+        top_k, top_p = meta.top_k.to(device)[rows], meta.top_p.to(device)[rows]  # [R], [R]
+        random_logits = apply_top_k_top_p(random_logits, top_k, top_p)
+        random_logits = apply_min_p(random_logits, meta.min_p.to(device)[rows])
+        probs = torch.softmax(random_logits, dim=-1)  # [R, V]
+        sampled[rows] = exponential_race(probs, [meta.generators[i] for i in rows.tolist()])  # [R]
         return sampled
 
 

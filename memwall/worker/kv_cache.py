@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from memwall.config import CacheConfig, ModelArchConfig
@@ -74,5 +75,19 @@ def allocate_kv_cache(arch: ModelArchConfig, plan: KVCachePlan, dtype: torch.dty
     garbage that happens to be NaN would still poison the softmax-weighted sum.
     """
     shape = (plan.num_blocks, plan.block_size, arch.num_key_value_heads, arch.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+    return [(_zeros(shape, dtype, device), _zeros(shape, dtype, device))
             for _ in range(arch.num_hidden_layers)]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Zeroed memory that costs nothing until it is touched.
+
+    On CPU, torch.zeros writes every byte up front (seconds for a multi-GB cache, and all of it
+    resident at once); numpy's zeros uses calloc, whose pages the kernel maps lazily. The cache
+    then grows in RSS only as blocks are really used.
+    """
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    elem = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32}[elem])
+    return torch.from_numpy(raw).view(dtype)
