@@ -83,6 +83,10 @@ class CacheConfig:
     """Share of currently available RAM given to the KV cache when kv_cache_memory is unset."""
     num_blocks: int | None = None
     """Exact block count (overrides the memory budget; used by tests)."""
+    enable_prefix_caching: bool = True
+    """Keep and share the KV of full blocks across requests with the same prefix."""
+    swap_space: int = 0
+    """Bytes of host memory for swapped-out blocks (0 = no swap pool)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -105,8 +109,16 @@ class SchedulerConfig:
     """Context window (prompt + output); None = the model's own."""
     enable_chunked_prefill: bool = True
     """Split long prompts over several steps instead of refusing them."""
+    scheduling_policy: str = "fcfs"
+    """fcfs, or priority (lower SamplingParams.priority first, then arrival)."""
+    preemption_mode: str = "recompute"
+    """recompute (free the blocks, redo the prefill later) or swap (move them to host memory)."""
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
@@ -138,6 +150,12 @@ class EngineArgs:
     max_num_seqs: int = _arg(64, "most sequences running at once")
     max_model_len: int | None = _arg(None, "context window in tokens (default: the model's)")
     enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
+    prefix_caching: bool = _arg(True, "reuse the KV cache of shared prompt prefixes")
+    preemption_mode: str = _arg("recompute", "when KV blocks run out: recompute (free and redo "
+                                             "the prefill later) or swap (park blocks in host memory)")
+    swap_space: int = _arg(1 << 30, "bytes of host memory for swapped-out KV blocks "
+                                    "(used with --preemption-mode swap)")
+    scheduling_policy: str = _arg("fcfs", "fcfs, or priority (lower request priority runs first)")
     threads: int | None = _arg(None, "CPU threads (default: the cores this process may use)")
     seed: int = _arg(0, "seed of the generator shared by requests without their own seed")
     show_progress: bool = _arg(False, "show a progress bar while the model loads")
@@ -149,14 +167,18 @@ class EngineArgs:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
 
     def cache_config(self) -> CacheConfig:
+        swap = self.swap_space if self.preemption_mode == "swap" else 0
         return CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
-                           kv_cache_fraction=self.kv_cache_fraction, num_blocks=self.num_kv_blocks)
+                           kv_cache_fraction=self.kv_cache_fraction, num_blocks=self.num_kv_blocks,
+                           enable_prefix_caching=self.prefix_caching, swap_space=swap)
 
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
         max_len = min(self.max_model_len or model_max_len, model_max_len)
         return SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                max_num_seqs=self.max_num_seqs, max_model_len=max_len,
-                               enable_chunked_prefill=self.enable_chunked_prefill)
+                               enable_chunked_prefill=self.enable_chunked_prefill,
+                               scheduling_policy=self.scheduling_policy,
+                               preemption_mode=self.preemption_mode)
 
     @classmethod
     def cli_fields(cls):

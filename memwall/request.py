@@ -18,6 +18,8 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    SWAPPED = "swapped"
+    FORK_PENDING = "fork_pending"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -47,6 +49,14 @@ class Request:
     prompt_logprobs: list = field(default_factory=list)
     """One entry per prompt position (position 0 has none: it is not predicted)."""
     first_token_time: float | None = None
+    cache_extra_keys: tuple = ()
+    """Extra namespace for prefix-cache hashes (e.g. a LoRA adapter id or a cache salt)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache at (latest) admission."""
+    fork_children: list["Request"] = field(default_factory=list)
+    """For n > 1: the other samples, forked from this one when its prompt is done."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Hashes of this request's full blocks of known tokens (grown by the KV manager)."""
 
     @property
     def num_prompt_tokens(self) -> int:

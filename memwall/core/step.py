@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from memwall.core.kv.manager import BlockTransfers
 from memwall.request import Request
 
 
@@ -20,6 +21,8 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     block_table: list[int]
+    forks: list[Request] = field(default_factory=list)
+    """Pending samples (n > 1) that sample their first token from this chunk's last logits."""
 
     @property
     def end(self) -> int:
@@ -35,6 +38,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    transfers: BlockTransfers = field(default_factory=BlockTransfers)
+    """Block copies (swap out, swap in, copy-on-write) to apply before the forward pass."""
 
     @property
     def num_tokens(self) -> int:

@@ -42,10 +42,13 @@ class LLMEngine:
         self.kv_plan = plan_kv_cache(arch, args.cache_config(), dtype,
                                      sched_cfg.max_num_seqs * sched_cfg.max_model_len)
         self.max_model_len = min(sched_cfg.max_model_len, self.kv_plan.max_tokens)
-        self.kv = KVCacheManager(self.kv_plan.num_blocks, self.kv_plan.block_size)
+        cache_cfg = args.cache_config()
+        self.kv = KVCacheManager(self.kv_plan.num_blocks, self.kv_plan.block_size,
+                                 cache_cfg.enable_prefix_caching, self.kv_plan.num_swap_blocks)
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self.runner = ModelRunner(loaded.model, arch, self.kv_plan, dtype, args.seed)
-        self.processor = Processor(self.tokenizer, self.max_model_len, arch.vocab_size)
+        self.processor = Processor(self.tokenizer, self.max_model_len, arch.vocab_size,
+                                   sched_cfg.max_num_seqs)
         self.outputs = OutputProcessor(self.tokenizer)
         self._aborted: list[Request] = []
         logger.info("%s: %s", self.model_name, self.describe())
@@ -71,8 +74,8 @@ class LLMEngine:
         prompt_ids = self.processor.tokenize(prompt)
         children = self.processor.make_requests(request_id, prompt_ids, params)
         self.outputs.add(request_id, prompt if isinstance(prompt, str) else None, children)
-        for child in children:
-            self.scheduler.add(child)
+        # Samples 2..n fork the first one's KV once its prompt is done (no second prefill).
+        self.scheduler.add(children[0], fork_children=children[1:])
         return prompt_ids
 
     def abort_request(self, request_id: str) -> None:

@@ -19,10 +19,12 @@ class InvalidRequestError(ValueError):
 
 
 class Processor:
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int,
+                 max_num_seqs: int) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
 
     def tokenize(self, prompt: PromptType) -> list[int]:
         if isinstance(prompt, str):
@@ -43,6 +45,10 @@ class Processor:
     def make_requests(self, request_id: str, prompt_ids: list[int],
                       params: SamplingParams) -> list[Request]:
         max_tokens = self._resolve_max_tokens(prompt_ids, params)
+        if params.n > self.max_num_seqs:
+            # The n samples run side by side; more than the engine runs at once would never start.
+            raise InvalidRequestError(f"n={params.n} is more than this server runs at once "
+                                      f"(max_num_seqs={self.max_num_seqs})", "n")
         eos = self.tokenizer.eos_token_ids
         children = [params] if params.n == 1 else [params.clone_for_child(i) for i in range(params.n)]
         requests = []

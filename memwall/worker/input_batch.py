@@ -8,6 +8,7 @@ import torch
 
 from memwall.attention.metadata import AttentionMetadata
 from memwall.core.step import ScheduledChunk
+from memwall.request import Request
 
 
 @dataclass
@@ -27,8 +28,9 @@ class InputBatch:
     attn: AttentionMetadata
     logit_token_index: list[int]
     """Flat token index of every row of logits to compute (sampling rows first)."""
-    sampling_chunks: list[ScheduledChunk]
-    """Chunks that sample, in the order of the first len(sampling_chunks) logits rows."""
+    sampling_requests: list[Request]
+    """Requests that sample this step, in the order of the first logits rows (a fork child
+    shares its parent's row: both are predicted by the same last prompt token)."""
     prompt_rows: list[PromptLogprobRows]
 
     @classmethod
@@ -36,15 +38,16 @@ class InputBatch:
         ids: list[int] = []
         positions: list[int] = []
         sample_index: list[int] = []
-        sampling_chunks: list[ScheduledChunk] = []
+        sampling_requests: list[Request] = []
         prompt_tokens: list[tuple[str, list[int], list[int], int]] = []
         for chunk in chunks:
             offset = len(ids)
             ids.extend(chunk.request.token_slice(chunk.start, chunk.end))
             positions.extend(range(chunk.start, chunk.end))
             if chunk.samples:
-                sample_index.append(len(ids) - 1)
-                sampling_chunks.append(chunk)
+                for request in [chunk.request, *chunk.forks]:
+                    sample_index.append(len(ids) - 1)
+                    sampling_requests.append(request)
             if chunk.request.wants_prompt_logprobs:
                 prompt_tokens.append(_prompt_logprob_positions(chunk, offset))
         logit_index = list(sample_index)
@@ -56,7 +59,7 @@ class InputBatch:
         attn = AttentionMetadata.build([c.num_tokens for c in chunks], [c.end for c in chunks],
                                        [c.block_table for c in chunks], block_size)
         return cls(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                   attn, logit_index, sampling_chunks, prompt_rows)
+                   attn, logit_index, sampling_requests, prompt_rows)
 
 
 def _prompt_logprob_positions(chunk: ScheduledChunk, offset: int) -> tuple[str, list[int], list[int], int]:

@@ -33,6 +33,8 @@ class KVCachePlan:
     num_blocks: int
     block_size: int
     bytes_per_block: int
+    num_swap_blocks: int = 0
+    """Blocks of the secondary (host) pool that swap preemption parks KV in."""
 
     @property
     def max_tokens(self) -> int:
@@ -43,8 +45,11 @@ class KVCachePlan:
         return self.num_blocks * self.bytes_per_block
 
     def describe(self) -> str:
-        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
+        text = (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
                 f"{self.max_tokens} tokens, {self.total_bytes / 2**20:.1f} MiB")
+        if self.num_swap_blocks:
+            text += f"; swap pool {self.num_swap_blocks} blocks"
+        return text
 
 
 def plan_kv_cache(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype,
@@ -55,8 +60,9 @@ def plan_kv_cache(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype,
     extra blocks could never be used.
     """
     per_block = bytes_per_block(arch, cache.block_size, dtype)
+    num_swap = cache.swap_space // per_block
     if cache.num_blocks is not None:
-        return KVCachePlan(cache.num_blocks, cache.block_size, per_block)
+        return KVCachePlan(cache.num_blocks, cache.block_size, per_block, num_swap)
     budget = cache.kv_cache_memory
     if budget is None:
         budget = int(available_memory_bytes() * cache.kv_cache_fraction)
@@ -64,17 +70,19 @@ def plan_kv_cache(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype,
     if num_blocks < 1:
         raise ValueError(f"a KV budget of {budget} bytes holds no block of {per_block} bytes: "
                          "raise --kv-cache-memory")
-    return KVCachePlan(int(num_blocks), cache.block_size, per_block)
+    return KVCachePlan(int(num_blocks), cache.block_size, per_block, num_swap)
 
 
 def allocate_kv_cache(arch: ModelArchConfig, plan: KVCachePlan, dtype: torch.dtype,
-                      device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+                      device: torch.device | str = "cpu",
+                      num_blocks: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One (K, V) pair per layer, each [num_blocks, block_size, kv_heads, head_dim], zeroed.
 
     Zeroed rather than empty: padded decode batches read unused slots (masked out), and masked
     garbage that happens to be NaN would still poison the softmax-weighted sum.
     """
-    shape = (plan.num_blocks, plan.block_size, arch.num_key_value_heads, arch.head_dim)
+    count = plan.num_blocks if num_blocks is None else num_blocks
+    shape = (count, plan.block_size, arch.num_key_value_heads, arch.head_dim)
     return [(_zeros(shape, dtype, device), _zeros(shape, dtype, device))
             for _ in range(arch.num_hidden_layers)]
 

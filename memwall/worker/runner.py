@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from memwall.config import ModelArchConfig
+from memwall.core.kv.manager import BlockTransfers
 from memwall.core.step import RunnerOutput, SampledToken, SchedulerOutput
 from memwall.outputs import Logprob
 from memwall.request import Request
@@ -25,18 +26,22 @@ class ModelRunner:
         self.model = model
         self.block_size = plan.block_size
         self.kv_caches = allocate_kv_cache(arch, plan, dtype)
+        # The secondary pool for swap preemption: host memory (on CPU, simply other tensors).
+        self.swap_caches = (allocate_kv_cache(arch, plan, dtype, "cpu", plan.num_swap_blocks)
+                            if plan.num_swap_blocks else [])
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         torch.manual_seed(seed)  # the shared generator used by unseeded requests
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        self._apply_transfers(sched.transfers)
         batch = InputBatch.build(sched.chunks, self.block_size)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
         logits = self.model.compute_logits(hidden[batch.logit_token_index])  # [rows, vocab]
         out = RunnerOutput()
-        if batch.sampling_chunks:
-            self._sample(logits[: len(batch.sampling_chunks)], batch, out)
+        if batch.sampling_requests:
+            self._sample(logits[: len(batch.sampling_requests)], batch, out)
         for rows in batch.prompt_rows:
             if not rows.rows:
                 continue
@@ -44,8 +49,24 @@ class ModelRunner:
             out.prompt_logprobs[rows.request_id] = _logprob_dicts(lp)
         return out
 
+    def _apply_transfers(self, transfers: BlockTransfers) -> None:
+        """Swap-outs read blocks before swap-ins and copies may overwrite them: order matters."""
+        if not transfers:
+            return
+        moves = [(self.kv_caches, self.swap_caches, transfers.swap_out),
+                 (self.swap_caches, self.kv_caches, transfers.swap_in),
+                 (self.kv_caches, self.kv_caches, transfers.copies)]
+        for source, target, pairs in moves:
+            if not pairs:
+                continue
+            src = torch.tensor([a for a, _ in pairs])
+            dst = torch.tensor([b for _, b in pairs])
+            for (src_k, src_v), (dst_k, dst_v) in zip(source, target):
+                dst_k[dst] = src_k[src].to(dst_k.device)
+                dst_v[dst] = src_v[src].to(dst_v.device)
+
     def _sample(self, logits: torch.Tensor, batch: InputBatch, out: RunnerOutput) -> None:
-        requests = [c.request for c in batch.sampling_chunks]
+        requests = batch.sampling_requests
         meta = SamplingMetadata.build(
             [r.sampling_params for r in requests],
             [self._generator(r) for r in requests],

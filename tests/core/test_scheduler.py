@@ -70,7 +70,7 @@ def test_preemption_by_recompute_frees_newest_and_requeues_it_first():
     fake_step(sched)  # the 8th token's KV still fits in block 2
     out = fake_step(sched)  # a's 9th token needs a 3rd block -> b is preempted
     assert out.preempted_ids == ["b"] and b.status is RequestStatus.PREEMPTED
-    assert b.num_computed_tokens == 0 and sched.waiting[0] is b
+    assert b.num_computed_tokens == 0 and sched.waiting.peek() is b
     assert len(b.output_token_ids) == 2  # its tokens are kept and recomputed as prompt later
     while sched.has_unfinished:
         fake_step(sched)
