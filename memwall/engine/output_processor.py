@@ -92,7 +92,7 @@ class OutputProcessor:
         first = parent.samples[0].request
         prompt_lp = first.prompt_logprobs if first.sampling_params.prompt_logprobs is not None else None
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions,
-                             finished=parent.finished,
+                             finished=parent.finished, num_cached_tokens=first.num_cached_tokens,
                              prompt_logprobs=self._decorate_all(prompt_lp) if parent.finished else None)
 
     def _completion(self, sample: _Sample) -> CompletionOutput:

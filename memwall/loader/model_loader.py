@@ -60,6 +60,7 @@ def load_model(model: str | os.PathLike | None, dtype: str = "float32",
         tokenizer = Tokenizer.from_pretrained(tokenizer_path)
     net = build_model(arch).to(torch_dtype)
     net.load_weights(_with_progress(tensors, count, progress, path.name))
+    net.fuse_projections()
     net.eval()
     name = EMBEDDED_FILE.removesuffix(".gguf") if model is None else str(model)
     return LoadedModel(net, arch, tokenizer, name)

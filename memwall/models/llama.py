@@ -23,7 +23,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: K and V [num_blocks, b
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelArchConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
@@ -35,18 +35,23 @@ class Attention(nn.Module):
         if cfg.qk_norm:  # Qwen3 normalizes each head's q and k before rotary
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.rotary = rotary
+        self.qkv_proj: nn.Module | None = None
+        """q, k and v in one matmul, built by fuse_projections() after loading."""
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = RotaryEmbedding.apply(rope, q, k)
         write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
         o = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
@@ -58,37 +63,44 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj: nn.Module | None = None
+        """gate and up in one matmul, built by fuse_projections() after loading."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelArchConfig) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+    def forward(self, x, rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelArchConfig) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                 cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv_cache, meta)
+            x = layer(x, rope, kv_cache, meta)
         return self.norm(x)
 
 
@@ -130,3 +142,30 @@ class LlamaForCausalLM(nn.Module):
         missing = set(params) - loaded - tied
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def fuse_projections(self) -> None:
+        """q/k/v and gate/up become one matmul each: fewer, larger kernels per layer, which is
+        what a decode step (one token, bandwidth bound, dispatch heavy) wants."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj = _concat_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+            mlp.gate_up_proj = _concat_linears([mlp.gate_proj, mlp.up_proj])
+            if attn.qkv_proj is not None:
+                del attn.q_proj, attn.k_proj, attn.v_proj
+            if mlp.gate_up_proj is not None:
+                del mlp.gate_proj, mlp.up_proj
+
+
+def _concat_linears(parts: list[nn.Module]) -> nn.Module | None:
+    """One Linear computing all parts' outputs side by side; None if they are not plain Linears."""
+    if not all(type(p) is nn.Linear for p in parts):
+        return None
+    has_bias = parts[0].bias is not None
+    fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=has_bias,
+                      dtype=parts[0].weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in parts]))
+        if has_bias:
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+    fused.requires_grad_(False)
+    return fused
