@@ -49,6 +49,18 @@ class EngineStats:
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     num_preemptions: int = 0
+    num_preemptions_recompute: int = 0
+    num_preemptions_swap: int = 0
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache."""
+    prefix_cache_hits: int = 0
+    """Prompt tokens found there (their prefill was skipped)."""
+    prefix_cache_evictions: int = 0
+    """Cached blocks evicted to make room."""
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -131,7 +143,7 @@ class AsyncLLMEngine:
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.processor.vocab_size
+        return self.engine.vocab_size
 
     @property
     def stats(self) -> EngineStats:
@@ -280,9 +292,11 @@ class AsyncLLMEngine:
             _call_soon(loop, _deliver, items)
 
     def _publish_stats(self, applied_adds: int) -> None:
-        scheduler = self.engine.scheduler
+        scheduler, kv = self.engine.scheduler, self.engine.kv
         stats = EngineStats(len(scheduler.running), len(scheduler.waiting), self.engine.num_free_blocks,
-                            self.engine.num_total_blocks, scheduler.num_preemptions)
+                            self.engine.num_total_blocks, scheduler.num_preemptions,
+                            scheduler.stats.num_preemptions_recompute, scheduler.stats.num_preemptions_swap,
+                            kv.stats.queries, kv.stats.hits, kv.pool.num_evictions)
         with self._cond:  # together, so that num_waiting never counts a request twice or not at all
             self._stats = stats
             self._pending_adds -= applied_adds

@@ -63,6 +63,10 @@ class LLMEngine:
     def model_name(self) -> str:
         return self.loaded.name
 
+    @property
+    def vocab_size(self) -> int:
+        return self.loaded.arch.vocab_size
+
     def describe(self) -> str:
         return f"{self.kv_plan.describe()}; context window {self.max_model_len} tokens"
 

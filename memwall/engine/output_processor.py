@@ -105,6 +105,8 @@ class OutputProcessor:
             fresh = request.output_logprobs[len(sample.logprobs):]
             sample.logprobs.extend(self._decorate_all(fresh))
             logprobs = list(sample.logprobs)
+        # The delta first: at finish it flushes the detokenizer's held-back tail into the text.
+        delta_text = sample.detok.get_delta(finished)
         return CompletionOutput(
             index=sample.index,
             text=sample.detok.output_text,
@@ -113,7 +115,7 @@ class OutputProcessor:
             cumulative_logprob=_cumulative(request, logprobs),
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason,
-            delta_text=sample.detok.get_delta(finished),
+            delta_text=delta_text,
             delta_token_ids=request.output_token_ids[sent:],
             delta_logprobs=logprobs[sent:] if logprobs is not None else None,
         )

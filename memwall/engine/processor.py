@@ -44,6 +44,10 @@ class Processor:
 
     def make_requests(self, request_id: str, prompt_ids: list[int],
                       params: SamplingParams) -> list[Request]:
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise InvalidRequestError(f"stop_token_ids {bad_stop} are outside the vocabulary "
+                                      f"(0..{self.vocab_size - 1})", "stop_token_ids")
         max_tokens = self._resolve_max_tokens(prompt_ids, params)
         if params.n > self.max_num_seqs:
             # The n samples run side by side; more than the engine runs at once would never start.

@@ -136,3 +136,20 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ModelLoadError, match="LlamaForCausalLM"):
         LLM(str(tmp_path))
+
+
+def test_out_of_vocab_stop_token_ids_are_rejected_up_front(llm):
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        llm.engine.add_request("oov", [5, 6], SamplingParams(stop_token_ids=[10**6], min_tokens=2))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_final_text_equals_joined_deltas(llm):
+    engine = llm.engine
+    engine.add_request("d", "Caf\u00e9 \U0001f680", SamplingParams(max_tokens=30, **GREEDY))
+    deltas, final = [], None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            deltas.append(output.outputs[0].delta_text)
+            final = output.outputs[0]
+    assert "".join(deltas) == final.text

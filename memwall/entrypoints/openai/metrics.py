@@ -110,11 +110,26 @@ class EngineCollector:
             "memwall:kv_cache_usage_perc": ("Share of KV-cache blocks in use (0..1)", stats.kv_cache_usage),
             "memwall:kv_cache_free_blocks": ("Free KV-cache blocks", stats.num_free_blocks),
             "memwall:kv_cache_total_blocks": ("KV-cache blocks in all", stats.num_total_blocks),
+            "memwall:prefix_cache_hit_rate": ("Prompt tokens served from the prefix cache / looked up",
+                                              stats.prefix_cache_hit_rate),
         }
         for name, (help_text, value) in gauges.items():
             yield GaugeMetricFamily(name, help_text, value=value)
         yield CounterMetricFamily("memwall:num_preemptions", "Requests preempted so far",
                                   value=stats.num_preemptions)
+        by_mode = CounterMetricFamily("memwall:preemptions_by_mode", "Preemptions by mode", labels=["mode"])
+        by_mode.add_metric(["recompute"], stats.num_preemptions_recompute)
+        by_mode.add_metric(["swap"], stats.num_preemptions_swap)
+        yield by_mode
+        counters = {
+            "memwall:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache",
+                                             stats.prefix_cache_queries),
+            "memwall:prefix_cache_hits": ("Prompt tokens whose KV came from the prefix cache",
+                                          stats.prefix_cache_hits),
+            "memwall:prefix_cache_evictions": ("Cached KV blocks evicted", stats.prefix_cache_evictions),
+        }
+        for name, (help_text, value) in counters.items():
+            yield CounterMetricFamily(name, help_text, value=value)
 
 
 class HTTPMetricsMiddleware:

@@ -61,6 +61,8 @@ class SamplingRequest(OpenAIModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    """Lower runs first when the server runs with --scheduling-policy priority."""
 
     @property
     def include_usage(self) -> bool:
@@ -82,7 +84,7 @@ class SamplingRequest(OpenAIModel):
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens, priority=self.priority,
             **{k: v for k, v in optional.items() if v is not None})
 
 

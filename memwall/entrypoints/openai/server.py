@@ -13,15 +13,16 @@ from __future__ import annotations
 import hmac
 import logging
 import socket
+import sys
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import memwall
 from memwall.engine.async_engine import AsyncLLMEngine
-from memwall.entrypoints.openai.errors import APIError, bad_request, install_error_handlers
+from memwall.entrypoints.openai.errors import APIError, install_error_handlers
 from memwall.entrypoints.openai.metrics import HTTPMetricsMiddleware, ServerMetrics
 from memwall.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -34,8 +35,9 @@ from memwall.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from memwall.entrypoints.openai.serving_chat import OpenAIServingChat, template_message
+from memwall.entrypoints.openai.serving_chat import OpenAIServingChat
 from memwall.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from memwall.entrypoints.openai.serving_engine import OpenAIServing
 
 logger = logging.getLogger("memwall.server")
 
@@ -69,63 +71,66 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings | None = None) ->
     errors = {status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 500, 503)}
     app = FastAPI(title="memwall", version=memwall.__version__, lifespan=lifespan, responses=errors)
     install_error_handlers(app)
+    routers = [openai_routes(completions, chat), utility_routes(chat, metrics)]
+    for router in routers:
+        app.include_router(router)
+    if settings.api_key:
+        app.add_middleware(BearerAuthMiddleware, api_key=settings.api_key)
+    # Added last, so outermost: it also counts the 401s the auth middleware answers.
+    known = {route.path for router in routers for route in router.routes}
+    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics, known_paths=known)
+    app.state.metrics = metrics
+    return app
 
-    @app.post("/v1/completions")
+
+def openai_routes(completions: OpenAIServingCompletion, chat: OpenAIServingChat) -> APIRouter:
+    router = APIRouter(prefix="/v1")
+
+    @router.post("/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
         return await completions.create(body, raw)
 
-    @app.post("/v1/chat/completions")
+    @router.post("/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create(body, raw)
 
-    @app.get("/v1/models")
+    @router.get("/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=n, max_model_len=engine.max_model_len) for n in names])
+        max_len = chat.engine.max_model_len
+        return ModelList(data=[ModelCard(id=name, max_model_len=max_len) for name in chat.model_names])
 
-    @app.get("/health")
+    return router
+
+
+def utility_routes(serving: OpenAIServing, metrics: ServerMetrics) -> APIRouter:
+    """Routes outside /v1 (no API key): health, metrics, version, tokenizer."""
+    router = APIRouter()
+    engine = serving.engine
+
+    @router.get("/health")
     async def health() -> Response:
         if not engine.is_running:
             raise APIError(503, f"the engine is not running ({engine.dead_error!r})")
         return JSONResponse({})
 
-    @app.get("/metrics")
+    @router.get("/metrics")
     async def prometheus_metrics() -> Response:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.get("/version")
+    @router.get("/version")
     async def version() -> dict:
         return {"version": memwall.__version__}
 
-    @app.post("/tokenize")
+    @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        chat.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise bad_request("give exactly one of prompt (text) or messages (a conversation)")
-        if body.messages is not None:
-            text = engine.tokenizer.apply_chat_template(
-                [template_message(m) for m in body.messages],
-                add_generation_prompt=body.add_generation_prompt)
-            special = bool(body.add_special_tokens)
-        else:
-            text = body.prompt
-            special = body.add_special_tokens is not False
-        ids = engine.tokenizer.encode(text, add_special_tokens=special)
-        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
+        return serving.tokenize(body)
 
-    @app.post("/detokenize")
+    @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        chat.check_model(body.model)
-        chat.check_token_ids(body.tokens, "tokens")
-        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
+        return serving.detokenize(body)
 
-    if settings.api_key:
-        app.add_middleware(BearerAuthMiddleware, api_key=settings.api_key)
-    # Added last, so outermost: it also counts the 401s the auth middleware answers.
-    known = {route.path for route in app.routes}
-    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics, known_paths=known)
-    app.state.metrics = metrics
-    return app
+    return router
 
 
 class BearerAuthMiddleware:
@@ -168,8 +173,7 @@ def server_socket(host: str, port: int) -> socket.socket:
 def uvicorn_server(app: FastAPI, log_level: str = "info"):
     import uvicorn
 
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=None,
-                            backlog=2048, access_log=False)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=None, backlog=2048)
     return uvicorn.Server(config)
 
 
@@ -190,7 +194,7 @@ def run_server(args) -> int:
     if args.model_path:
         args.engine_model = args.model_path
     llm_engine = LLMEngine.from_args(engine_args_from(args))
-    print(f"memwall: {llm_engine.model_name}: {llm_engine.describe()}", flush=True)
+    print(f"memwall: {llm_engine.model_name}: {llm_engine.describe()}", file=sys.stderr, flush=True)
     names = args.served_model_name or []
     api_key = args.api_key or os.environ.get("MEMWALL_API_KEY") or None
     settings = ServerSettings(served_model_names=names, api_key=api_key, max_queue=args.max_queue)

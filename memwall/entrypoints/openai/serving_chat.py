@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from memwall.entrypoints.openai.errors import bad_request
 from memwall.entrypoints.openai.protocol import (
@@ -22,17 +22,15 @@ from memwall.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatLogprobs,
     ChatLogprobToken,
-    ChatMessage,
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
     TopLogprob,
 )
 from memwall.entrypoints.openai.serving_engine import (
-    ClientDisconnected,
+    MIN_LOGPROB,
     OpenAIServing,
     safe_logprob,
-    until_disconnect,
 )
 from memwall.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
@@ -48,21 +46,10 @@ class OpenAIServingChat(OpenAIServing):
         self.check_capacity()
         request_id = self.new_id("chatcmpl")
         streams, trackers = await self.start(request_id, [prompt_ids], params)
-        if request.stream:
-            chunks = self._stream(request, request_id, model, streams, trackers)
-            return self.sse_response(self.sse_events(chunks))
-        try:
-            outputs = await until_disconnect(raw, self.final_outputs(streams, trackers))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        body = self._response(request, request_id, model, outputs[0])
-        return JSONResponse(body.model_dump())
-
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the conversation; 400 (TokenizerError) for content the template refuses."""
-        conversation = [template_message(m) for m in messages]
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return await self.respond(
+            raw, bool(request.stream), streams, trackers,
+            lambda: self._stream(request, request_id, model, streams, trackers),
+            lambda outputs: self._response(request, request_id, model, outputs[0]))
 
     @staticmethod
     def _top_logprobs(request: ChatCompletionRequest) -> int | None:
@@ -97,7 +84,7 @@ class OpenAIServingChat(OpenAIServing):
             ranked = sorted((lp for lp in (entry or {}).values() if lp.rank is not None and lp.rank <= top_n),
                             key=lambda lp: lp.rank)
             content.append(ChatLogprobToken(
-                token=token, logprob=safe_logprob(chosen.logprob) if chosen else MIN_MISSING,
+                token=token, logprob=safe_logprob(chosen.logprob) if chosen else MIN_LOGPROB,
                 bytes=list(token.encode("utf-8")),
                 top_logprobs=[TopLogprob(token=lp.decoded_token or "", logprob=safe_logprob(lp.logprob),
                                          bytes=list((lp.decoded_token or "").encode("utf-8")))
@@ -147,26 +134,3 @@ class OpenAIServingChat(OpenAIServing):
             logprobs=self._logprobs(request, sample.delta_token_ids, sample.delta_logprobs),
             finish_reason=sample.finish_reason, stop_reason=sample.stop_reason)
 
-
-# A chosen token always has its own logprob; this only guards a malformed engine entry.
-MIN_MISSING = -9999.0
-
-
-def template_message(message: ChatMessage) -> dict:
-    """A message as chat templates expect it: role and plain-string content."""
-    content = message.content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if part.type != "text" or part.text is None:
-                raise bad_request(f"content parts of type {part.type!r} are not supported: this "
-                                  "server takes text only ({\"type\": \"text\", \"text\": ...})",
-                                  "messages")
-            texts.append(part.text)
-        content = "\n".join(texts)
-    # Templates written for "system" often reject OpenAI's newer "developer" role.
-    role = "system" if message.role == "developer" else message.role
-    out = {"role": role, "content": content or ""}
-    if message.name:
-        out["name"] = message.name
-    return out

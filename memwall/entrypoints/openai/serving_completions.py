@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from memwall.entrypoints.openai.errors import bad_request
 from memwall.entrypoints.openai.protocol import (
@@ -20,12 +20,7 @@ from memwall.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from memwall.entrypoints.openai.serving_engine import (
-    ClientDisconnected,
-    OpenAIServing,
-    safe_logprob,
-    until_disconnect,
-)
+from memwall.entrypoints.openai.serving_engine import OpenAIServing, safe_logprob
 from memwall.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 
@@ -54,15 +49,10 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_capacity()
         request_id = self.new_id("cmpl")
         streams, trackers = await self.start(request_id, prompts, params)
-        if request.stream:
-            chunks = self._stream(request, request_id, model, prompts, streams, trackers)
-            return self.sse_response(self.sse_events(chunks))
-        try:
-            outputs = await until_disconnect(raw, self.final_outputs(streams, trackers))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        body = self._response(request, request_id, model, prompts, outputs)
-        return JSONResponse(body.model_dump())
+        return await self.respond(
+            raw, bool(request.stream), streams, trackers,
+            lambda: self._stream(request, request_id, model, prompts, streams, trackers),
+            lambda outputs: self._response(request, request_id, model, prompts, outputs))
 
     def _prompts(self, request: CompletionRequest) -> list:
         """The prompt field as a list of prompts (strings or token-id lists)."""

@@ -4,8 +4,8 @@ requests, reading their outputs (with metrics), SSE framing, and client-disconne
 The life of one HTTP request here:
 
     check_model -> check_capacity -> start() (one engine request per prompt; all or none)
-      -> stream:     outputs() -> SSE chunks, flushed one by one -> "data: [DONE]"
-      -> non-stream: until_disconnect(final_outputs()) -> one JSON body
+      -> respond()   stream:     outputs() -> SSE chunks, flushed one by one -> "data: [DONE]"
+                     non-stream: until_disconnect(final_outputs()) -> one JSON body
 
 Leaving ``outputs()`` early for any reason (a disconnect cancels the task that reads it) aborts
 every engine request it covers, so their KV blocks are freed before the engine's next step.
@@ -16,17 +16,25 @@ from __future__ import annotations
 import asyncio
 import math
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from memwall.engine.async_engine import AsyncLLMEngine, RequestStream
 from memwall.entrypoints.openai.errors import APIError, api_error_from, bad_request
 from memwall.entrypoints.openai.metrics import RequestTracker, ServerMetrics
-from memwall.entrypoints.openai.protocol import SamplingRequest, UsageInfo
+from memwall.entrypoints.openai.protocol import (
+    ChatMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    SamplingRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+    UsageInfo,
+)
 from memwall.outputs import RequestOutput
 from memwall.sampling_params import SamplingParams
 
@@ -90,6 +98,34 @@ class OpenAIServing:
         if params.top_k > self.engine.vocab_size:
             params.top_k = 0
         return params
+
+    # ---- prompts ---------------------------------------------------------------------------
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation, as offline ``LLM.chat`` makes them: the template places
+        the special tokens, so encoding adds none. TokenizerError (400) for refused content."""
+        return self.tokenizer.encode(self.render_text(messages, add_generation_prompt),
+                                     add_special_tokens=False)
+
+    def render_text(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template([template_message(m) for m in messages],
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of prompt (text) or messages (a conversation)")
+        if body.messages is not None:
+            text = self.render_text(body.messages, body.add_generation_prompt)
+            special = bool(body.add_special_tokens)
+        else:
+            text, special = body.prompt, body.add_special_tokens is not False
+        ids = self.tokenizer.encode(text, add_special_tokens=special)
+        return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids)
+
+    def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(body.model)
+        self.check_token_ids(body.tokens, "tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens))
 
     # ---- running ---------------------------------------------------------------------------
     @staticmethod
@@ -158,11 +194,27 @@ class OpenAIServing:
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
                          total_tokens=prompt + completion)
 
-    @staticmethod
-    def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
-        # No buffering anywhere: each event is sent (and flushed) as soon as it is yielded.
-        return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    async def respond(self, raw: Request, stream: bool, streams: list[RequestStream],
+                      trackers: list[RequestTracker], make_chunks: Callable[[], AsyncIterator[BaseModel]],
+                      make_body: Callable[[list[RequestOutput]], BaseModel]) -> Response:
+        """The SSE stream, or the JSON body once all is done; a client gone at any point aborts."""
+        if stream:
+            return SSEResponse(self.sse_events(make_chunks()),
+                               on_close=lambda: self.abort_unfinished(streams, trackers))
+        try:
+            outputs = await until_disconnect(raw, self.final_outputs(streams, trackers))
+        except ClientDisconnected:
+            self.abort_unfinished(streams, trackers)
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        return JSONResponse(make_body(outputs).model_dump())
+
+    def abort_unfinished(self, streams: list[RequestStream], trackers: list[RequestTracker]) -> None:
+        """Covers a response that ended before reading its streams (then outputs() never ran)."""
+        for stream in streams:
+            if not stream.finished:
+                self.engine.abort(stream.request_id)
+        for tracker in trackers:
+            tracker.close()
 
     @staticmethod
     async def sse_events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
@@ -173,6 +225,23 @@ class OpenAIServing:
         except Exception as exc:  # noqa: BLE001 - the status line is gone; tell the client in-band
             yield sse(api_error_from(exc).body)
         yield SSE_DONE
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events, each sent (and flushed) as soon as it is yielded; ``on_close`` runs
+    however the response ends (finished, client gone, or cancelled before the first event)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 def sse(model: BaseModel) -> str:
@@ -236,3 +305,23 @@ async def _merge(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, 
     finally:
         for task in tasks:
             task.cancel()
+
+
+def template_message(message: ChatMessage) -> dict:
+    """A message as chat templates expect it: role and plain-string content."""
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise bad_request(f"content parts of type {part.type!r} are not supported: this "
+                                  "server takes text only ({\"type\": \"text\", \"text\": ...})",
+                                  "messages")
+            texts.append(part.text)
+        content = "\n".join(texts)
+    # Templates written for "system" often reject OpenAI's newer "developer" role.
+    role = "system" if message.role == "developer" else message.role
+    out = {"role": role, "content": content or ""}
+    if message.name:
+        out["name"] = message.name
+    return out

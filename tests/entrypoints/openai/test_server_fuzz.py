@@ -1,8 +1,9 @@
 """Fuzzing both POST endpoints (and the tokenizer routes) with hypothesis: never a 5xx.
 
 Bodies mix well-typed requests with values anywhere in their ranges (these reach the sampler),
-hostile ones with extreme or wrongly typed values in every field, arbitrary JSON and raw bytes. Generation is kept short (max_tokens is small or invalid) so the
-few hundred examples finish in seconds on the tiny model.
+hostile ones with extreme or wrongly typed values in every field, arbitrary JSON and raw bytes.
+Generation is kept short (max_tokens is small or invalid) so the few hundred examples finish in
+seconds on the tiny model.
 """
 
 from __future__ import annotations
@@ -54,11 +55,12 @@ chat_body = st.fixed_dictionaries(
     optional={**SAMPLING_FIELDS, "logprobs": st.one_of(st.booleans(), junk),
               "top_logprobs": st.one_of(ints, junk), "max_completion_tokens": max_tokens,
               "add_generation_prompt": st.booleans()})
-any_json = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False, allow_infinity=False),
-                                  st.text(max_size=5)),
-                        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
-                                                                                    max_size=3),
-                        max_leaves=8)
+scalars = st.one_of(st.none(), st.booleans(), st.integers(),
+                    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=5))
+any_json = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8)
 # Well-typed bodies with values anywhere in their documented ranges: these reach the sampler.
 vocab_ids = st.lists(st.integers(0, 383), min_size=1, max_size=8)
 VALID_FIELDS = {

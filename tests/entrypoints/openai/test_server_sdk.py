@@ -192,3 +192,5 @@ def test_models_health_version_tokenize(server, client, offline):
     assert text == "hello world"
     chat = httpx.post(f"{server.url}/tokenize", json={"messages": chat_messages("hi")}).json()
     assert chat["tokens"] == offline.render_chat(chat_messages("hi"))
+    schema = httpx.get(f"{server.url}/openapi.json").json()
+    assert {"/v1/completions", "/v1/chat/completions", "/tokenize"} <= set(schema["paths"])

@@ -1,0 +1,94 @@
+"""The quantization contract: a per-layer strategy (``QuantMethod``) and the module that
+carries its tensors (``QuantLinear``).
+
+A method decides how one Linear's weight is stored and multiplied:
+
+    create_weights(w [out, in] float)  -> QuantWeights   (quantize a float checkpoint)
+    apply(layer, x [T, in])            -> y [T, out]      (the matmul, weight kept quantized)
+
+GGUF files skip ``create_weights``: ``gguf_repack`` turns their raw blocks straight into
+``QuantWeights`` of the method that can hold them. ``QuantLinear`` is a drop-in for
+``nn.Linear`` (same ``in_features``/``out_features``/``bias``), so the model code never knows.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class QuantWeights:
+    """Everything a ``QuantLinear`` needs, before it becomes a module.
+
+    ``tensors`` are registered as buffers under their names; ``method`` reads them back in
+    ``apply``. ``source`` says where they came from (e.g. "gguf Q4_1", "int8 per-channel"),
+    for logs and reports only.
+    """
+
+    method: "QuantMethod"
+    tensors: dict[str, torch.Tensor]
+    out_features: int
+    in_features: int
+    source: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+class QuantMethod(ABC):
+    """How a Linear's weight is stored and multiplied. Stateless apart from its settings."""
+
+    name: str = "?"
+
+    @abstractmethod
+    def create_weights(self, weight: torch.Tensor) -> QuantWeights:
+        """Quantize a float weight ``[out, in]``. Raises ValueError for shapes it cannot hold."""
+
+    @abstractmethod
+    def apply(self, layer: "QuantLinear", x: torch.Tensor) -> torch.Tensor:
+        """``x [T, in]`` (any float dtype) -> ``[T, out]`` in ``x.dtype``, bias not added."""
+
+    def supports(self, out_features: int, in_features: int) -> bool:
+        """False when ``create_weights`` would refuse this shape (the layer then stays float)."""
+        return True
+
+    def concat(self, parts: list[QuantWeights]) -> QuantWeights | None:
+        """One weight whose output rows are ``parts``' rows in order (fusing q/k/v or
+        gate/up into one matmul); None when this method cannot join these parts."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class QuantLinear(nn.Module):
+    """A Linear whose weight stays quantized in memory. ``forward(x [..., in]) -> [..., out]``."""
+
+    def __init__(self, weights: QuantWeights, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.method = weights.method
+        self.in_features, self.out_features = weights.in_features, weights.out_features
+        self.source, self.extra = weights.source, weights.extra
+        for name, t in weights.tensors.items():
+            self.register_buffer(name, t)
+        # a Parameter like nn.Linear's, so code that reads .bias keeps working
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = self.method.apply(self, x.reshape(-1, self.in_features))  # [T, out]
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def weight_nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, method={self.method!r}, source={self.source!r}")

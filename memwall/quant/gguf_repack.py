@@ -1,0 +1,161 @@
+"""Raw GGUF blocks -> the layouts our CPU kernels read, without a float copy of the weight.
+
+Which kernel holds which GGUF type (all group-32 int4 planes unless said otherwise):
+
+    type  ggml value                     int4 plane(s): (code - 8) * scale + zero     exact?
+    Q4_0  d * (q - 8)                    code q, scale d, zero 0                      yes*
+    Q4_1  d * q + m                      code q, scale d, zero m + 8d                 yes*
+    Q4_K  d*sc[j] * q - dmin*mn[j]       code q, scale d*sc, zero 8*d*sc - dmin*mn    yes*
+    Q5_K  as Q4_K with a 5th bit h       plane lo as Q4_K; plane hi: code h + 8,      yes*
+                                         scale 16*d*sc, zero 0
+    Q8_0  d * q, q in -128..127          plane hi: code (q >> 4) + 8, scale 16d,      yes*
+                                         zero 0; plane lo: code q & 15, scale d, zero 8d
+    Q6_K  d*sc[j] * (q - 32), j per 16   per-channel int8 (Int8WeightOnly)            no
+    F32/F16/BF16                         left as float (not returned)
+
+    * up to bf16 rounding of scale and zero (relative 2^-9), because the kernel reads bf16.
+      For Q4_0/Q8_0/Q5_K's hi plane the zero is a power-of-two multiple of the scale, so
+      the weight is exactly the ggml formula with d rounded to bf16.
+
+Q6_K's 16-value groups are smaller than the kernel's minimum group (32), so it is
+dequantized and requantized to per-channel int8; the error this adds is measured in
+tests/quant/test_gguf_repack.py. Two planes cost 1.25 bytes a weight (Q8_0 itself: 1.06)
+and two kernel calls; per-channel int8 would cost 1.0 but is not exact (see the report in
+the benchmark docstring).
+
+GGUF's quantized blocks run along the input dimension, so permuting whole rows (llama's
+q/k un-permutation) works on the raw bytes before any decoding.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
+
+from memwall.loader.gguf_loader import hf_tensor_name, unpermute_qk
+from memwall.loader.gguf_weights import QK_K, _bits, _f16, _k_scales_mins, _nibbles, dequantize
+from memwall.quant.base import QuantWeights
+from memwall.quant.int4_cpu import Int4WeightOnly
+from memwall.quant.int8_cpu import Int8WeightOnly
+
+# (codes [P, n_blocks, values], scale [P, n_blocks, groups], zero [same]) for one GGUF type
+Planes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                  "lm_head")
+
+
+# --------------------------------------------------------------------------- per-type planes
+
+def _q4_0(b: torch.Tensor) -> Planes:
+    d = _f16(b[:, :2])  # [n, 1]
+    q = _nibbles(b[:, 2:], 16).reshape(b.shape[0], 32)
+    return q[None], d[None], torch.zeros_like(d)[None]
+
+
+def _q4_1(b: torch.Tensor) -> Planes:
+    d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
+    q = _nibbles(b[:, 4:], 16).reshape(b.shape[0], 32)
+    return q[None], d[None], (m + 8 * d)[None]
+
+
+def _k_scale_zero(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K sub-block scale d*sc and zero 8*d*sc - dmin*mn: [n, 8] each."""
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _k_scales_mins(b[:, 4:16])
+    dl, ml = d * sc.float(), dmin * mn.float()
+    return dl, 8 * dl - ml
+
+
+def _q4_k(b: torch.Tensor) -> Planes:
+    scale, zero = _k_scale_zero(b)
+    q = _nibbles(b[:, 16:], 32).reshape(b.shape[0], QK_K)
+    return q[None], scale[None], zero[None]
+
+
+def _q5_k(b: torch.Tensor) -> Planes:
+    n = b.shape[0]
+    scale, zero = _k_scale_zero(b)
+    lo = _nibbles(b[:, 48:], 32).reshape(n, QK_K)
+    hi = _bits(b[:, 16:48], range(8), 0x01, 32).reshape(n, QK_K) + 8
+    return (torch.stack([lo, hi]), torch.stack([scale, 16 * scale]),
+            torch.stack([zero, torch.zeros_like(zero)]))
+
+
+def _q8_0(b: torch.Tensor) -> Planes:
+    d = _f16(b[:, :2])  # [n, 1]
+    q = b[:, 2:].contiguous().view(torch.int8)  # [n, 32]
+    hi, lo = (q >> 4) + 8, q & 15  # q = 16 * (hi - 8) + lo, both codes 0..15
+    return (torch.stack([hi, lo]).to(torch.uint8), torch.stack([16 * d, d]),
+            torch.stack([torch.zeros_like(d), 8 * d]))
+
+
+_PLANES: dict[QType, Callable[[torch.Tensor], Planes]] = {
+    QType.Q4_0: _q4_0, QType.Q4_1: _q4_1, QType.Q4_K: _q4_k, QType.Q5_K: _q5_k, QType.Q8_0: _q8_0,
+}
+REPACKABLE = (*_PLANES, QType.Q6_K)
+
+
+# --------------------------------------------------------------------------- one tensor
+
+def repack(raw: torch.Tensor | np.ndarray, qtype: QType, shape: tuple[int, int]) -> QuantWeights | None:
+    """Raw GGUF bytes of one Linear weight -> QuantWeights; None for float types.
+
+    raw: uint8 [rows, row_bytes] (``tensor.data`` of GGUFReader) or any view of those bytes;
+    shape: (out_features, in_features) in numpy order.
+    """
+    qtype = QType(qtype)
+    if qtype not in REPACKABLE:
+        return None
+    n, k = shape
+    raw_t = torch.as_tensor(np.ascontiguousarray(raw)) if isinstance(raw, np.ndarray) else raw
+    if qtype == QType.Q6_K:  # groups of 16: no exact int4 form; requantize to int8 rows
+        w = dequantize(raw_t.numpy(), qtype, shape)
+        return Int8WeightOnly().create_weights(w, source="gguf Q6_K -> int8 per-channel")
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = raw_t.reshape(-1, type_size)
+    if blocks.shape[0] * block != n * k:
+        raise ValueError(f"GGUF {qtype.name} weight {shape}: {blocks.shape[0]} blocks do not "
+                         f"hold {n * k} values")
+    q, scale, zero = _PLANES[qtype](blocks)  # [P, n_blocks, block], [P, n_blocks, groups]
+    planes = q.shape[0]
+    method = Int4WeightOnly(group_size=32)
+    return method.from_planes(q.reshape(planes, n, k), scale.reshape(planes, n, k // 32),
+                              zero.reshape(planes, n, k // 32), source=f"gguf {qtype.name}")
+
+
+# --------------------------------------------------------------------------- a whole file
+
+def gguf_quantized_linears(reader: Any, config: dict[str, Any],
+                           include_lm_head: bool = True) -> dict[str, QuantWeights]:
+    """``{module name: QuantWeights}`` for every quantized Linear weight of a GGUF file.
+
+    ``config`` is ``gguf_hf_config(reader)``. Names are HF module paths such as
+    ``model.layers.0.self_attn.q_proj``; a tied file's ``token_embd.weight`` also becomes
+    ``lm_head`` (the embedding itself is not touched). Float-typed weights are left out:
+    they load as floats and stay ``nn.Linear``. q/k rows are un-permuted for llama/mistral,
+    as ``iter_gguf_tensors`` does for the float path.
+    """
+    permuted = config.get("model_type") in ("llama", "mistral")
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    out: dict[str, QuantWeights] = {}
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name)
+        if name == "model.embed_tokens.weight" and config.get("tie_word_embeddings"):
+            name = "lm_head.weight"
+        if name is None or not name.endswith(".weight"):
+            continue
+        module = name.removesuffix(".weight")
+        leaf = module.rsplit(".", 1)[-1]
+        if leaf not in LINEAR_MODULES or (leaf == "lm_head" and not include_lm_head):
+            continue
+        if QType(t.tensor_type) not in REPACKABLE:
+            continue
+        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(int(t.shape[-1]), -1))
+        if permuted and leaf in heads:
+            raw = unpermute_qk(raw, heads[leaf]).contiguous()
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        out[module] = repack(raw, t.tensor_type, shape)
+    return out

@@ -1,0 +1,68 @@
+"""Per-output-channel int8 weights for CPU, on ``torch.ops.aten._weight_int8pack_mm``.
+
+    w[n, k] = q[n, k] * scale[n]          q in -127..127
+
+The op computes ``(x @ q.T) * scale`` with bf16 x and bf16 scales (float32 inputs take a
+slow scalar path, so ``apply`` casts x to bf16 and back). It crashes on in_features that
+are not a multiple of 16, which ``supports`` refuses. From ``DEQUANT_MIN_TOKENS`` tokens
+on, the int8 weight is widened to bf16 for F.linear (oneDNN) and the scale applied to the
+output, which is exact algebra and much faster than the op's GEMV kernel at prefill sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from memwall.quant.base import QuantLinear, QuantMethod, QuantWeights
+from memwall.quant.int4_cpu import DEQUANT_MIN_TOKENS, _to_bf16_up
+
+_K_ALIGN = 16
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: w [N, K] -> (q int8 [N, K], scale float [N]).
+
+    The scale is rounded to bf16 (never down) before q is computed, so
+    |w - q * scale| <= scale / 2 holds for the scale the op really uses.
+    """
+    w = w.float()
+    amax = w.abs().amax(dim=1)  # [N]
+    scale = _to_bf16_up(torch.where(amax > 0, amax / 127, torch.ones_like(amax)))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class Int8WeightOnly(QuantMethod):
+    """Weight-only int8 with one scale per output channel, bf16 compute."""
+
+    name = "int8"
+
+    def supports(self, out_features: int, in_features: int) -> bool:
+        return in_features % _K_ALIGN == 0
+
+    def create_weights(self, weight: torch.Tensor, source: str = "int8 per-channel") -> QuantWeights:
+        n, k = weight.shape
+        if not self.supports(n, k):
+            raise ValueError(f"int8: in_features {k} must be a multiple of {_K_ALIGN} "
+                             f"(torch's int8 kernel needs it)")
+        q, scale = quantize_int8(weight)
+        tensors = {"qweight": q, "scales": scale.to(torch.bfloat16)}
+        return QuantWeights(self, tensors, out_features=n, in_features=k, source=source)
+
+    def concat(self, parts: list[QuantWeights]) -> QuantWeights | None:
+        if any(not isinstance(p.method, Int8WeightOnly) or p.in_features != parts[0].in_features
+               for p in parts):
+            return None
+        tensors = {name: torch.cat([p.tensors[name] for p in parts]) for name in ("qweight", "scales")}
+        sources = " + ".join(sorted({p.source for p in parts}))
+        return QuantWeights(self, tensors, sum(p.out_features for p in parts),
+                            parts[0].in_features, sources)
+
+    def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        xb = x.to(torch.bfloat16).contiguous()  # [T, in]
+        if xb.shape[0] >= DEQUANT_MIN_TOKENS:
+            y = F.linear(xb, layer.qweight.to(torch.bfloat16)).float() * layer.scales.float()  # [T, out]
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(xb, layer.qweight, layer.scales)
+        return y.to(x.dtype)

@@ -1,0 +1,144 @@
+"""``quantize_model``: swap a built model's ``nn.Linear`` modules for ``QuantLinear``, in place.
+
+The model code stays as it is (gpt-fast's "a feature is a transformation of a plain model").
+Embeddings are never touched: a lookup reads a few rows a step, not the whole table. A tied
+``lm_head`` gets its own quantized copy, since the head is the largest matmul of a decode step
+for small models, while the embedding keeps the float table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from memwall.quant.base import QuantLinear, QuantMethod, QuantWeights
+
+
+# fused layers (models/llama.py fuse_projections) and the checkpoint layers they join, in row order
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+@dataclass
+class QuantizeReport:
+    """What ``quantize_model`` did. Bytes count the Linear weights only."""
+
+    quantized: dict[str, str] = field(default_factory=dict)  # module -> source ("gguf Q4_1", ...)
+    kept_float: list[str] = field(default_factory=list)
+    float_bytes: int = 0  # the replaced weights as they were (a weight tied elsewhere counts too)
+    quant_bytes: int = 0  # the QuantLinear buffers that replaced them
+
+    def summary(self) -> str:
+        kinds: dict[str, int] = {}
+        for source in self.quantized.values():
+            kinds[source] = kinds.get(source, 0) + 1
+        what = ", ".join(f"{n} x {s}" for s, n in sorted(kinds.items())) or "nothing"
+        return (f"quantized {what}; {len(self.kept_float)} Linear(s) kept float; weights "
+                f"{self.float_bytes / 2**20:.1f} MiB -> {self.quant_bytes / 2**20:.1f} MiB")
+
+
+def get_quant_method(name: str, group_size: int = 32) -> QuantMethod:
+    """``"int8"`` (per-channel) or ``"int4"`` (group-wise, ``group_size`` 32..256)."""
+    if name == "int8":
+        from memwall.quant.int8_cpu import Int8WeightOnly
+        return Int8WeightOnly()
+    if name == "int4":
+        from memwall.quant.int4_cpu import Int4WeightOnly
+        return Int4WeightOnly(group_size)
+    raise ValueError(f"unknown quantization {name!r}; use 'int8' or 'int4'")
+
+
+def quantize_model(model: nn.Module, method: QuantMethod | str | None,
+                   gguf_raw: dict[str, QuantWeights] | None = None,
+                   include_lm_head: bool = True) -> QuantizeReport:
+    """Replace ``model``'s Linear layers by quantized ones, in place; returns what changed.
+
+    A layer named in ``gguf_raw`` (from ``gguf_quantized_linears``) takes those weights and
+    keeps its own bias. A fused layer (``qkv_proj``, ``gate_up_proj``: see FUSED) takes its
+    parts' GGUF weights joined along the output rows, or, when their types cannot be joined
+    (e.g. Q4_K q/k with a Q6_K v), a ``ConcatLinear`` of the parts. Any other Linear is
+    quantized from its float weight by ``method`` (a QuantMethod, ``"int8"``, ``"int4"``, or
+    None to leave it float); shapes ``method`` cannot hold stay float. Call after loading.
+    """
+    if isinstance(method, str):
+        method = get_quant_method(method)
+    gguf_raw = gguf_raw or {}
+    report, used = QuantizeReport(), set()
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        if name == "lm_head" and not include_lm_head:
+            report.kept_float.append(name)
+            continue
+        new, source, parts = _quantized(name, module, method, gguf_raw)
+        if new is None:
+            report.kept_float.append(name)
+            continue
+        _replace(model, name, new)
+        used.update(parts)
+        report.quantized[name] = source
+        report.float_bytes += module.weight.numel() * module.weight.element_size()
+        report.quant_bytes += sum(b.numel() * b.element_size() for b in new.buffers())
+    missing = set(gguf_raw) - used - ({"lm_head"} if not include_lm_head else set())
+    if missing:
+        raise ValueError(f"GGUF quantized weights {sorted(missing)[:3]} match no Linear of the model")
+    return report
+
+
+def _quantized(name: str, linear: nn.Linear, method: QuantMethod | None,
+               gguf_raw: dict[str, QuantWeights]) -> tuple[nn.Module | None, str, list[str]]:
+    """(replacement module or None, its source, the gguf_raw names it consumed)."""
+    parts = _gguf_parts(name, gguf_raw)
+    if parts:
+        weights = [gguf_raw[p] for p in parts]
+        _check_rows(name, linear, weights)
+        joined = weights[0] if len(weights) == 1 else weights[0].method.concat(weights)
+        bias = linear.bias
+        if joined is not None:
+            return QuantLinear(joined, bias), joined.source, parts
+        modules = [QuantLinear(w) for w in weights]
+        return ConcatLinear(modules, bias), " | ".join(w.source for w in weights), parts
+    if method is None or not method.supports(linear.out_features, linear.in_features):
+        return None, "", []
+    weights = method.create_weights(linear.weight.detach())
+    return QuantLinear(weights, linear.bias), weights.source, []
+
+
+def _gguf_parts(name: str, gguf_raw: dict[str, QuantWeights]) -> list[str]:
+    """The gguf_raw names that make up module ``name``: itself, or a fused layer's parts."""
+    if name in gguf_raw:
+        return [name]
+    prefix, _, leaf = name.rpartition(".")
+    parts = [f"{prefix}.{p}" if prefix else p for p in FUSED.get(leaf, ())]
+    return parts if parts and all(p in gguf_raw for p in parts) else []
+
+
+def _check_rows(name: str, linear: nn.Linear, weights: list[QuantWeights]) -> None:
+    rows = sum(w.out_features for w in weights)
+    if rows != linear.out_features or any(w.in_features != linear.in_features for w in weights):
+        got = " + ".join(f"{w.out_features}x{w.in_features}" for w in weights)
+        raise ValueError(f"GGUF weight for {name!r} is {got}, the model's Linear is "
+                         f"{linear.out_features}x{linear.in_features}")
+
+
+class ConcatLinear(nn.Module):
+    """Several quantized Linears read as one: outputs side by side (a fused layer whose
+    parts were stored in types that cannot share one kernel call)."""
+
+    def __init__(self, parts: list[QuantLinear], bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([p(x) for p in self.parts], dim=-1)  # [..., out]
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
