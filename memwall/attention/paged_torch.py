@@ -56,16 +56,27 @@ def _prefill_one(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out
 
 
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> None:
-    seqs = meta.decode_seq_ids
-    token_idx = torch.tensor([meta.query_start[s] for s in seqs])
-    lens = torch.tensor([meta.seq_lens[s] for s in seqs])  # [B]
-    max_len = int(lens.max())
-    num_blocks = -(-max_len // meta.block_size)
-    tables = meta.block_tables[seqs, :num_blocks]  # [B, num_blocks]
-    k = _gather(k_cache, tables, max_len)  # [B, max_len, kv_heads, head_dim]
-    v = _gather(v_cache, tables, max_len)
-    mask = (torch.arange(max_len).unsqueeze(0) < lens.unsqueeze(1)).unsqueeze(1)  # [B, 1, max_len]
-    out[token_idx] = _sdpa(q[token_idx].unsqueeze(1), k, v, mask, scale).squeeze(1)
+    batch = meta.decode
+    k = _decode_keys(k_cache, batch)  # [B, max_len, kv_heads, head_dim]
+    v = _decode_keys(v_cache, batch)
+    kv_heads, head_dim = k.shape[2], k.shape[3]
+    group = q.shape[1] // kv_heads
+    # Grouped-query attention without repeating K/V: the `group` query heads of each KV head
+    # form the rows of one matmul against that head's keys.
+    q_b = q[batch.token_index].view(-1, kv_heads, group, head_dim)  # [B, Hkv, g, D]
+    scores = torch.matmul(q_b, k.permute(0, 2, 3, 1).to(q.dtype)) * scale  # [B, Hkv, g, L]
+    if batch.mask is not None:
+        scores = scores + batch.mask
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    o = torch.matmul(probs, v.transpose(1, 2).to(q.dtype))  # [B, Hkv, g, D]
+    out[batch.token_index] = o.reshape(-1, kv_heads * group, head_dim)
+
+
+def _decode_keys(cache: torch.Tensor, batch) -> torch.Tensor:
+    if batch.contiguous_start is not None:  # one sequence on consecutive blocks: a view, no copy
+        start = batch.contiguous_start
+        return cache[start:start + batch.num_blocks].flatten(0, 1)[: batch.max_len].unsqueeze(0)
+    return _gather(cache, batch.block_tables, batch.max_len)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):

@@ -51,15 +51,21 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, theta, scaling)  # [head_dim / 2]
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
+        # Half-width tables (what kernels read), and full-width ones with rotate-half's sign
+        # folded into sin for the torch path: x * cos + swap_halves(x) * sin is four cheap ops.
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cos_full", torch.cat((freqs.cos(), freqs.cos()), dim=-1), persistent=False)
+        self.register_buffer("sin_signed", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin rows for the step's positions, [tokens, 1, head_dim / 2] each.
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin rows for the step's positions, [tokens, 1, head_dim] each, in ``dtype``
+        (as HF does: the tables are float32, the rotation runs in the activations' dtype).
 
         Done once per forward pass: every layer rotates at the same positions.
         """
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return (self.cos_full[positions].unsqueeze(1).to(dtype),
+                self.sin_signed[positions].unsqueeze(1).to(dtype))
 
     @staticmethod
     def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
@@ -70,6 +76,5 @@ class RotaryEmbedding(nn.Module):
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # sin carries the minus sign
+    return x * cos + swapped * sin
