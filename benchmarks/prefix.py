@@ -1,0 +1,176 @@
+"""Prefix-heavy serving benchmark: memwall with prefix caching on vs off, same load, one run.
+
+    python benchmarks/prefix.py [--model GGUF] [--concurrency 8] [--questions 64]
+
+Two workloads through `memwall serve` (a subprocess per setting, pinned to --threads cores):
+* system: a ~2,000-token shared system prompt followed by each of N distinct questions;
+* chat: multi-turn ShareGPT conversations replayed with growing histories (each turn's prompt
+  is the whole conversation so far; turns of one conversation go in order, conversations run
+  side by side), falling back to synthetic turns when the package is missing.
+Reported per workload: TTFT p50/p90, request throughput, prefix-cache hit rate (from /metrics),
+and the on/off ratios. JSON goes to benchmarks/results/prefix-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.datasets import GGUFTokenizer, SampleRequest, random_prompt, read_records, sharegpt_path  # noqa: E402
+from benchmarks.loadgen import LoadConfig, RequestResult, make_client, resolve_model, send_request  # noqa: E402
+from benchmarks.loadgen import completion_payload  # noqa: E402
+from benchmarks.metrics import percentile, summarize  # noqa: E402
+from benchmarks.servers import ManagedServer, embedded_gguf, free_port, memwall_command  # noqa: E402
+from benchmarks.cpu import cpu_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---- workloads: each is a list of conversations, each a list of turns sent in order --------------
+def system_prompt_workload(tok, questions: int, system_tokens: int, seed: int) -> list[list[SampleRequest]]:
+    rng = random.Random(seed)
+    system = random_prompt(tok, system_tokens, rng)
+    convs = []
+    for i in range(questions):
+        question = f"\n\nQuestion {i + 1}: " + random_prompt(tok, 24, rng) + "?\nAnswer:"
+        prompt = system + question
+        convs.append([SampleRequest(prompt, len(tok.encode(prompt)), 0)])
+    return convs
+
+
+def chat_workload(tok, conversations: int, turns: int, max_len: int, seed: int) -> list[list[SampleRequest]]:
+    """Each conversation: turn t's prompt is every message up to the t-th user message."""
+    try:
+        records = [r for r in read_records(sharegpt_path()) if len(r.get("conversations") or []) >= 2 * turns]
+        random.Random(seed).shuffle(records)
+        dialogues = [[m.get("value", "") for m in r["conversations"][: 2 * turns]] for r in records]
+    except RuntimeError:
+        rng = random.Random(seed)
+        dialogues = [[random_prompt(tok, rng.randrange(40, 120), rng) for _ in range(2 * turns)]
+                     for _ in range(conversations * 3)]
+    convs = []
+    for messages in dialogues:
+        conv, history = [], ""
+        for t in range(turns):
+            history += f"\nUser: {messages[2 * t]}\nAssistant:"
+            length = len(tok.encode(history))
+            if length > max_len:
+                break
+            conv.append(SampleRequest(history, length, 0))
+            history += f" {messages[2 * t + 1]}"
+        if len(conv) == turns:
+            convs.append(conv)
+        if len(convs) == conversations:
+            return convs
+    raise ValueError(f"only {len(convs)} conversations of {turns} turns fit in {max_len} tokens")
+
+
+# ---- running -------------------------------------------------------------------------------------
+async def replay(base_url: str, convs: list[list[SampleRequest]], concurrency: int,
+                 output_len: int) -> tuple[list[RequestResult], float]:
+    cfg = LoadConfig(base_url=base_url, concurrency=concurrency, ignore_eos=True)
+    url = f"{base_url}/v1/completions"
+    gate = asyncio.Semaphore(concurrency)
+    async with make_client(cfg, concurrency) as client:
+        model = await resolve_model(client, base_url)
+        results: list[RequestResult] = []
+
+        async def one_conversation(conv: list[SampleRequest]) -> None:
+            async with gate:  # a conversation holds its slot: its turns come one after another
+                for turn in conv:
+                    req = SampleRequest(turn.prompt, turn.prompt_len, output_len)
+                    result = RequestResult(req.prompt_len, output_len)
+                    results.append(await send_request(client, url, completion_payload(cfg, model, req), result))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one_conversation(c) for c in convs))
+        return results, time.perf_counter() - start
+
+
+def cache_counters(base_url: str) -> dict[str, float]:
+    text = httpx.get(f"{base_url}/metrics", timeout=10, trust_env=False).text
+    wanted = {"memwall:prefix_cache_queries_total": "queries", "memwall:prefix_cache_hits_total": "hits"}
+    found = {}
+    for line in text.splitlines():
+        name = line.split(" ")[0]
+        if name in wanted:
+            found[wanted[name]] = float(line.split()[-1])
+    return found
+
+
+def run_setting(args, caching: bool, workloads: dict) -> dict:
+    extra = [] if caching else ["--no-prefix-caching"]
+    extra += ["--max-model-len", "4096", "--kv-cache-memory", str(1 << 30)]
+    port = free_port()
+    command = memwall_command(args.model, port, args.threads, max(16, args.concurrency), extra)
+    out = {}
+    with ManagedServer(command, port) as server:
+        warm = [[SampleRequest("Hello there, warm up.", 6, 0)]]
+        asyncio.run(replay(server.base_url, warm, 1, 2))
+        for name, convs in workloads.items():
+            before = cache_counters(server.base_url)
+            results, duration = asyncio.run(replay(server.base_url, convs, args.concurrency, args.output_len))
+            after = cache_counters(server.base_url)
+            summary = summarize(results, duration)
+            ttfts = [r.ttft for r in results if r.success]
+            queries = after.get("queries", 0) - before.get("queries", 0)
+            hits = after.get("hits", 0) - before.get("hits", 0)
+            out[name] = {"requests": len(results), "failed": summary.failed, "duration_s": duration,
+                         "ttft_p50_ms": percentile(ttfts, 50) * 1000, "ttft_p90_ms": percentile(ttfts, 90) * 1000,
+                         "request_throughput": summary.request_throughput,
+                         "prompt_tokens": summary.total_input_tokens,
+                         "hit_rate": hits / queries if queries else 0.0}
+            print(f"  caching={'on' if caching else 'off'} {name}: {out[name]}", file=sys.stderr, flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--questions", type=int, default=64)
+    parser.add_argument("--system-tokens", type=int, default=2000)
+    parser.add_argument("--conversations", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    args.model = args.model or str(embedded_gguf())
+    tok = GGUFTokenizer(args.model)
+    workloads = {
+        "system": system_prompt_workload(tok, args.questions, args.system_tokens, args.seed),
+        "chat": chat_workload(tok, args.conversations, args.turns, 3000, args.seed),
+    }
+    results = {"on": run_setting(args, True, workloads), "off": run_setting(args, False, workloads)}
+    report = {"cpu": cpu_model(), "threads": args.threads, "concurrency": args.concurrency,
+              "model": Path(args.model).name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+              "args": vars(args), "results": results}
+    print(f"\nCPU: {report['cpu']}, {args.threads} threads, concurrency {args.concurrency}")
+    header = f"{'workload':<9}{'caching':>8}{'TTFT p50 ms':>13}{'TTFT p90 ms':>13}{'req/s':>9}{'hit rate':>10}"
+    print(header + "\n" + "-" * len(header))
+    for name in workloads:
+        for setting in ("on", "off"):
+            r = results[setting][name]
+            print(f"{name:<9}{setting:>8}{r['ttft_p50_ms']:>13.0f}{r['ttft_p90_ms']:>13.0f}"
+                  f"{r['request_throughput']:>9.2f}{r['hit_rate']:>10.1%}")
+        on, off = results["on"][name], results["off"][name]
+        print(f"{name:<9}{'ratio':>8}  TTFT p50 {off['ttft_p50_ms'] / on['ttft_p50_ms']:.1f}x lower, "
+              f"throughput {on['request_throughput'] / off['request_throughput']:.1f}x higher")
+    (ROOT / "benchmarks" / "results").mkdir(parents=True, exist_ok=True)
+    path = ROOT / "benchmarks" / "results" / f"prefix-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {path.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
