@@ -92,7 +92,8 @@ TTFT_S, ITL_S = 0.06, 0.02
 class FakeServer:
     """A minimal HTTP/1.1 SSE server: /v1/completions streams max_tokens chunks, the first after
     TTFT_S and each next one ITL_S later, then llama.cpp's finish chunk with usage and [DONE].
-    The prompt "fail" gets HTTP 500, "error" an SSE error event, "eos" no token at all."""
+    The prompt "fail" gets HTTP 500, "error" an SSE error event, "eos" no token at all, "cut"
+    two tokens and no [DONE]."""
 
     def __init__(self):
         self.bodies: list[dict] = []
@@ -128,6 +129,10 @@ class FakeServer:
                      b"Transfer-Encoding: chunked\r\n\r\n")
         if body.get("prompt") == "error":
             await self.send(writer, {"error": {"message": "engine died"}})
+        elif body.get("prompt") == "cut":
+            await self.stream_tokens(writer, 2)
+            writer.write(b"0\r\n\r\n")  # the body ends with no [DONE]
+            return await writer.drain()
         else:
             await self.stream_tokens(writer, 0 if body["prompt"] == "eos" else body["max_tokens"])
         await self.send(writer, "[DONE]")
@@ -204,13 +209,15 @@ def test_request_rate_spreads_the_sends():
 
 
 def test_failures_are_recorded_not_raised():
-    requests = [SampleRequest("fail", 1, 4), SampleRequest("error", 1, 4), *_samples(1, 4)]
+    requests = [SampleRequest("fail", 1, 4), SampleRequest("error", 1, 4),
+                SampleRequest("cut", 1, 4), *_samples(1, 4)]
     results, _, _ = _run(requests, concurrency=2, ignore_eos=False)
     assert not results[0].success and "HTTP 500" in results[0].error
     assert not results[1].success and results[1].error == "engine died"
-    assert results[2].success
+    assert not results[2].success and "[DONE]" in results[2].error
+    assert results[3].success
     m = metrics.summarize(results, 1.0)
-    assert (m.completed, m.failed) == (1, 2)
+    assert (m.completed, m.failed) == (1, 3)
 
 
 def test_a_request_that_stops_at_once_is_a_success_with_no_tokens():
@@ -291,3 +298,16 @@ def test_random_prompts_are_exact_with_the_real_gguf_tokenizer(gguf_path):
     for length in (1, 7, 64, 200):
         samples = datasets.sample_random(tok, 3, input_len=length, output_len=4, seed=length)
         assert [len(tok.encode(s.prompt)) for s in samples] == [length] * 3
+
+
+def test_cpu_meter_attributes_this_process_to_the_client():
+    from benchmarks.servers import CpuMeter
+
+    with CpuMeter() as meter:
+        end = time.process_time() + 0.2
+        while time.process_time() < end:
+            pass
+    report = meter.report
+    assert "server_cpu_s" not in report and report["wall_s"] >= 0.2
+    assert report["client_cpu_s"] >= 0.15
+    assert report["server_and_other_cpu_s"] >= 0.0

@@ -1,0 +1,259 @@
+"""GPU kernel benchmark: the Triton kernels against the torch reference at Llama-3-8B shapes.
+
+    python benchmarks/gpu.py [--out FILE] [--quick]
+
+Shapes: 32 query heads on 8 KV heads, head_dim 128, hidden 4096, intermediate 14336, KV block
+16, bfloat16; one layer per call. For every case the same run times the Triton kernel and its
+torch baseline (memwall/attention/paged_torch.py, memwall/layers/*) on the same inputs, after
+checking that they agree (relative-norm error), and reports:
+
+    ms        median of triton.testing.do_bench (L2 flushed before every call)
+    GB/s      the fewest bytes the case must move (each input read once, each output written
+              once) over the Triton time; compare with the device copy ceiling measured first
+    TFLOP/s   attention only: 4 * heads * head_dim per (query, visible key) pair
+
+Attention rows also sweep a few tile shapes (prefill rows x key tile x warps; decode key tile)
+and keep every config's time in the JSON. Results go to benchmarks/results/gpu-kernels-<device>-
+<timestamp>.json. Needs CUDA and triton; imports cleanly without either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+if __package__ in (None, ""):  # run as a script: make `memwall` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from memwall.attention import paged_torch, triton_backend  # noqa: E402
+from memwall.attention.metadata import AttentionMetadata  # noqa: E402
+from memwall.kernels.triton import TRITON_AVAILABLE  # noqa: E402
+from memwall.kernels.triton import activation, norm, paged_attention as pa, rotary  # noqa: E402
+from memwall.layers.norm import RMSNorm  # noqa: E402
+from memwall.layers.rotary import RotaryEmbedding  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+HIDDEN, INTER = 4096, 14336
+DTYPE = torch.bfloat16
+PREFILL_SWEEP = [dict(block_m=m, tile_n=n, num_warps=w, num_stages=s)
+                 for m, n, w, s in [(64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 2), (64, 32, 4, 3),
+                                    (128, 64, 8, 3)]]
+DECODE_SWEEP = [dict(tile_n=n, num_warps=w) for n, w in [(32, 4), (64, 4), (128, 4), (64, 8)]]
+
+
+# ---- timing ------------------------------------------------------------------------------------
+def bench_ms(fn: Callable[[], object]) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def ceilings() -> dict:
+    """Device copy bandwidth (read + write bytes) and bf16 matmul rate, measured here."""
+    n = 1 << 29  # 1 GiB of bytes
+    src = torch.randn(n // 2, device="cuda", dtype=DTYPE)
+    dst = torch.empty_like(src)
+    copy_ms = bench_ms(lambda: dst.copy_(src))
+    a = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
+    b = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
+    mm_ms = bench_ms(lambda: a @ b)
+    return {"copy_GBps": 2 * n / copy_ms / 1e6, "bf16_matmul_TFLOPs": 2 * 8192 ** 3 / mm_ms / 1e9}
+
+
+# ---- attention ---------------------------------------------------------------------------------
+def attention_step(q_lens: list[int], seq_lens: list[int], seed: int = 0):
+    """Random q/k/v, a random bf16 cache holding every prefix, scattered block tables."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    need = [-(-s // BLOCK) for s in seq_lens]
+    num_blocks = sum(need) + 8
+    perm = torch.randperm(num_blocks).tolist()
+    tables, used = [], 0
+    for n in need:
+        tables.append(perm[used:used + n])
+        used += n
+    meta = AttentionMetadata.build(q_lens, seq_lens, tables, BLOCK, device="cuda")
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=g, device="cuda", dtype=DTYPE)
+    v_cache = torch.randn(shape, generator=g, device="cuda", dtype=DTYPE)
+    t = sum(q_lens)
+    q = torch.randn(t, HEADS, HEAD_DIM, generator=g, device="cuda", dtype=DTYPE)
+    return q, k_cache, v_cache, meta
+
+
+def attention_cost(q_lens: list[int], seq_lens: list[int]) -> tuple[float, float]:
+    """(fewest bytes, FLOPs) of one layer's attention for this batch."""
+    elem = torch.finfo(DTYPE).bits // 8
+    kv_bytes = sum(seq_lens) * KV_HEADS * HEAD_DIM * 2 * elem
+    q_out_bytes = 2 * sum(q_lens) * HEADS * HEAD_DIM * elem
+    pairs = sum(sum(s - q + i + 1 for i in range(q)) for q, s in zip(q_lens, seq_lens))
+    return kv_bytes + q_out_bytes, 4.0 * HEADS * HEAD_DIM * pairs
+
+
+def torch_attention(q, k_cache, v_cache, meta, scale):
+    with torch.device("cuda"):  # paged_torch builds its masks with factory defaults
+        return paged_torch.paged_attention(q, k_cache, v_cache, meta, scale)
+
+
+def attention_case(name: str, q_lens: list[int], seq_lens: list[int], sweep: list[dict]) -> dict:
+    q, k_cache, v_cache, meta = attention_step(q_lens, seq_lens)
+    scale = HEAD_DIM ** -0.5
+    ref = torch_attention(q, k_cache, v_cache, meta, scale)
+    torch_ms = bench_ms(lambda: torch_attention(q, k_cache, v_cache, meta, scale))
+    configs = []
+    for knobs in sweep:
+        out = triton_backend.paged_attention(q, k_cache, v_cache, meta, scale, **knobs)
+        err = rel_err(out, ref)
+        ms = bench_ms(lambda: triton_backend.paged_attention(q, k_cache, v_cache, meta, scale, **knobs))
+        configs.append({"knobs": knobs, "ms": ms, "rel_err": err})
+    best = min(configs, key=lambda c: c["ms"])
+    nbytes, flops = attention_cost(q_lens, seq_lens)
+    return row(name, best["ms"], torch_ms, nbytes, flops, max(c["rel_err"] for c in configs),
+               best=best["knobs"], configs=configs)
+
+
+def attention_cases(quick: bool) -> list[dict]:
+    cases = []
+    for batch, ctx in ([(1, 4096), (32, 2048)] if quick else
+                       [(1, 1024), (1, 8192), (8, 4096), (32, 2048), (128, 1024), (256, 2048)]):
+        cases.append(attention_case(f"decode B={batch} ctx={ctx}", [1] * batch, [ctx] * batch,
+                                    DECODE_SWEEP))
+    prefills = [("prefill 4x1024 from 0", [1024] * 4, [1024] * 4),
+                ("prefill 2x512 on 3584 cached", [512] * 2, [4096] * 2),
+                ("prefill 1x4096 from 0", [4096], [4096])]
+    for name, q_lens, seq_lens in prefills[:1] if quick else prefills:
+        cases.append(attention_case(name, q_lens, seq_lens, PREFILL_SWEEP))
+    mixed_q, mixed_s = [1] * 64 + [512], [2048] * 64 + [1024]
+    cases.append(attention_case("mixed 64 decodes + 512 chunk", mixed_q, mixed_s, [{}]))
+    return cases
+
+
+# ---- the other kernels -------------------------------------------------------------------------
+def write_kv_case(tokens: int) -> dict:
+    q_lens, seq_lens = [tokens], [tokens]
+    _, k_cache, v_cache, meta = attention_step(q_lens, seq_lens)
+    k = torch.randn(tokens, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v = torch.randn_like(k)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    paged_torch.write_kv(ref_k, ref_v, k, v, meta.slot_mapping)
+    pa.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    err = max(rel_err(k_cache, ref_k), rel_err(v_cache, ref_v))
+    t_ms = bench_ms(lambda: pa.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping))
+    r_ms = bench_ms(lambda: paged_torch.write_kv(ref_k, ref_v, k, v, meta.slot_mapping))
+    return row(f"write_kv T={tokens}", t_ms, r_ms, 4 * k.numel() * k.element_size(), 0.0, err)
+
+
+def norm_case(tokens: int) -> dict:
+    layer = RMSNorm(HIDDEN, 1e-5).to("cuda", DTYPE)
+    x = torch.randn(tokens, HIDDEN, device="cuda", dtype=DTYPE)
+    res = torch.randn_like(x)
+
+    def reference():
+        h = x + res
+        return layer(h), h
+
+    err = rel_err(norm.fused_add_rms_norm(x, res, layer.weight, 1e-5)[0], reference()[0])
+    t_ms = bench_ms(lambda: norm.fused_add_rms_norm(x, res, layer.weight, 1e-5))
+    return row(f"add+rmsnorm T={tokens}", t_ms, bench_ms(reference),
+               4 * x.numel() * x.element_size(), 0.0, err)
+
+
+def rotary_case(tokens: int) -> dict:
+    rope = RotaryEmbedding(HEAD_DIM, 8192, 500000.0).to("cuda")
+    positions = torch.randint(0, 8192, (tokens,), device="cuda")
+    q = torch.randn(tokens, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    k = torch.randn(tokens, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    ref_q, _ = RotaryEmbedding.apply(rope.lookup(positions), q, k)
+    out_q, _ = rotary.apply_rotary_(q.clone(), k.clone(), rope.cos, rope.sin, positions)
+    err = rel_err(out_q, ref_q)
+    t_ms = bench_ms(lambda: rotary.apply_rotary_(q, k, rope.cos, rope.sin, positions))
+    r_ms = bench_ms(lambda: RotaryEmbedding.apply(rope.lookup(positions), q, k))
+    nbytes = 2 * (q.numel() + k.numel()) * q.element_size()
+    return row(f"rotary T={tokens}", t_ms, r_ms, nbytes, 0.0, err)
+
+
+def activation_case(tokens: int) -> dict:
+    gate_up = torch.randn(tokens, 2 * INTER, device="cuda", dtype=DTYPE)
+
+    def reference():
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    err = rel_err(activation.silu_and_mul(gate_up), reference())
+    t_ms = bench_ms(lambda: activation.silu_and_mul(gate_up))
+    return row(f"silu_and_mul T={tokens}", t_ms, bench_ms(reference),
+               3 * tokens * INTER * gate_up.element_size(), 0.0, err)
+
+
+# ---- report ------------------------------------------------------------------------------------
+def row(name: str, triton_ms: float, torch_ms: float, nbytes: float, flops: float, err: float,
+        **extra) -> dict:
+    return {"case": name, "triton_ms": triton_ms, "torch_ms": torch_ms,
+            "speedup": torch_ms / triton_ms, "GBps": nbytes / triton_ms / 1e6,
+            "TFLOPs": flops / triton_ms / 1e9, "rel_err": err, **extra}
+
+
+def print_table(rows: list[dict], ceil: dict) -> None:
+    print(f"\nceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
+    print(f"{'case':34} {'triton ms':>10} {'torch ms':>10} {'speedup':>8} {'GB/s':>7} "
+          f"{'%copy':>6} {'TFLOP/s':>8} {'rel err':>8}  best")
+    for r in rows:
+        print(f"{r['case']:34} {r['triton_ms']:10.4f} {r['torch_ms']:10.4f} {r['speedup']:8.2f} "
+              f"{r['GBps']:7.0f} {100 * r['GBps'] / ceil['copy_GBps']:6.1f} {r['TFLOPs']:8.1f} "
+              f"{r['rel_err']:8.1e}  {r.get('best', '')}")
+
+
+def run(quick: bool) -> dict:
+    ceil = ceilings()
+    rows = attention_cases(quick)
+    for tokens in ([256] if quick else [256, 4096]):
+        rows += [write_kv_case(tokens), norm_case(tokens), rotary_case(tokens), activation_case(tokens)]
+    print_table(rows, ceil)
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    return {"device": torch.cuda.get_device_name(0), "sms": props.multi_processor_count,
+            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+            "python": platform.python_version(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "shapes": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block": BLOCK,
+                       "hidden": HIDDEN, "intermediate": INTER, "dtype": str(DTYPE)},
+            "ceilings": ceil, "cases": rows, "max_rel_err": max(r["rel_err"] for r in rows)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/gpu-kernels-*.json)")
+    parser.add_argument("--quick", action="store_true", help="a few cases only (a smoke run)")
+    args = parser.parse_args(argv)
+    if not (torch.cuda.is_available() and TRITON_AVAILABLE):
+        print("benchmarks/gpu.py needs a CUDA device and triton; found "
+              f"cuda={torch.cuda.is_available()} triton={TRITON_AVAILABLE}", file=sys.stderr)
+        return 2
+    result = run(args.quick)
+    device = result["device"].replace(" ", "-")
+    out = args.out or RESULTS_DIR / f"gpu-kernels-{device}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str))
+    print(f"\nwrote {out}")
+    bad = [r["case"] for r in result["cases"] if not math.isfinite(r["rel_err"]) or r["rel_err"] > 2e-2]
+    if bad:
+        print(f"ERROR: results disagree with the torch reference (rel err > 2e-2): {bad}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
