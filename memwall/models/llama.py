@@ -98,7 +98,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        rope = self.rotary.lookup(positions)
+        rope = self.rotary.lookup(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, rope, kv_cache, meta)
         return self.norm(x)
