@@ -176,11 +176,11 @@ def rotary_case(tokens: int) -> dict:
     positions = torch.randint(0, 8192, (tokens,), device="cuda")
     q = torch.randn(tokens, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     k = torch.randn(tokens, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-    ref_q, _ = RotaryEmbedding.apply(rope.lookup(positions), q, k)
+    ref_q, _ = RotaryEmbedding.apply(rope.lookup(positions, q.dtype), q, k)
     out_q, _ = rotary.apply_rotary_(q.clone(), k.clone(), rope.cos, rope.sin, positions)
     err = rel_err(out_q, ref_q)
     t_ms = bench_ms(lambda: rotary.apply_rotary_(q, k, rope.cos, rope.sin, positions))
-    r_ms = bench_ms(lambda: RotaryEmbedding.apply(rope.lookup(positions), q, k))
+    r_ms = bench_ms(lambda: RotaryEmbedding.apply(rope.lookup(positions, q.dtype), q, k))
     nbytes = 2 * (q.numel() + k.numel()) * q.element_size()
     return row(f"rotary T={tokens}", t_ms, r_ms, nbytes, 0.0, err)
 

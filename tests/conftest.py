@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Triton kernels run on the CPU interpreter when there is no GPU; the variable only takes
+# effect if it is set before triton is first imported (transformers may import it).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_VOCAB = 384
 CORPUS = [

@@ -235,22 +235,26 @@ class AsyncLLMEngine:
 
     # ---- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
-        while True:
-            commands = self._wait_for_work()
-            if commands is None:
-                return
-            if self._abort_all:
-                commands += [_Abort(request_id) for request_id in self._streams]
-            applied_adds = self._apply(commands)
-            outputs: list[RequestOutput] = []
-            if self.engine.has_unfinished_requests():
-                try:
-                    outputs = self.engine.step()
-                except BaseException as e:  # noqa: BLE001 - every waiter must hear about it
-                    self._die(e)
-                    return
-            self._dispatch(outputs)
-            self._publish_stats(applied_adds)
+        try:
+            while self._run_once():
+                pass
+        except BaseException as e:  # noqa: BLE001 - every waiter must hear about it, never a hang
+            self._die(e)
+
+    def _run_once(self) -> bool:
+        """One round: apply commands, step, deliver. False when it is time to exit."""
+        commands = self._wait_for_work()
+        if commands is None:
+            return False
+        if self._abort_all:
+            commands += [_Abort(request_id) for request_id in self._streams]
+        applied_adds = self._apply(commands)
+        outputs: list[RequestOutput] = []
+        if self.engine.has_unfinished_requests():
+            outputs = self.engine.step()
+        self._dispatch(outputs)
+        self._publish_stats(applied_adds)
+        return True
 
     def _wait_for_work(self) -> list[_Add | _Abort] | None:
         """Sleeps until there are commands or unfinished requests; None when it is time to exit."""

@@ -73,7 +73,7 @@ def check_rotary(tokens, heads, kv_heads, head_dim, dtype, device, scaling=None)
     q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)  # strided views, as in the model
     k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
-    ref_q, ref_k = RotaryEmbedding.apply(rope.lookup(positions), q.clone(), k.clone())
+    ref_q, ref_k = RotaryEmbedding.apply(rope.lookup(positions, q.dtype), q.clone(), k.clone())
     out_q, out_k = rotary.apply_rotary_(q, k, rope.cos, rope.sin, positions)
     assert out_q.data_ptr() == q.data_ptr()  # in place
     torch.testing.assert_close(q, ref_q, **TOL[dtype])

@@ -208,6 +208,7 @@ def prefill_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
     """
     require_triton()
     heads, group, head_dim = _check_attention(q, out, k_cache, v_cache, block_tables)
+    _check_tiles(block_m=block_m, tile_n=tile_n)
     group_p2 = _next_pow2(group)
     block_m = _prefill_rows(group_p2, block_m)
     if work.numel() == 0:
@@ -315,6 +316,7 @@ def decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
     """
     require_triton()
     heads, group, head_dim = _check_attention(q, out, k_cache, v_cache, block_tables)
+    _check_tiles(tile_n=tile_n)
     num_decodes = decode_seqs.numel()
     if num_decodes == 0:
         return
@@ -362,6 +364,12 @@ def _dot_precision(q: torch.Tensor) -> str:
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _check_tiles(**sizes: int) -> None:
+    for name, size in sizes.items():
+        if size < 16 or size & (size - 1):
+            raise ValueError(f"{name}={size}: tiles must be powers of two >= 16 (tl.dot's minimum)")
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_heads: int, head_dim: int) -> None:

@@ -5,7 +5,11 @@ head_dim / 2]``; the kernel looks up each token's row by position itself, so the
 and the rotation of every head of q and k are one launch. For one head, with h = head_dim / 2:
 
     out[:h] = x[:h] * cos - x[h:] * sin
-    out[h:] = x[h:] * cos + x[:h] * sin         (in float32, rounded back to x's dtype)
+    out[h:] = x[h:] * cos + x[:h] * sin
+
+Rounding follows the torch layer (and HF): the tables are rounded to x's dtype and every
+product and the sum are rounded to it too (emulated in float32, so 16-bit results match torch
+bit for bit on the GPU; float32 is unaffected).
 """
 
 import torch
@@ -23,9 +27,14 @@ def _rotate_heads(x_ptr, token, stride_t, stride_h, num_heads, cos, sin,
     first = x_ptr + token * stride_t + heads[:, None] * stride_h + cols[None, :]  # [HEADS_P2, HALF_P2]
     x1 = tl.load(first, mask=mask, other=0.0)
     x2 = tl.load(first + HALF, mask=mask, other=0.0)
+    dt = x1.dtype
     a, b = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(first, (a * cos[None, :] - b * sin[None, :]).to(x1.dtype), mask=mask)
-    tl.store(first + HALF, (b * cos[None, :] + a * sin[None, :]).to(x1.dtype), mask=mask)
+    c = cos.to(dt).to(tl.float32)[None, :]
+    s = sin.to(dt).to(tl.float32)[None, :]
+    out1 = (a * c).to(dt).to(tl.float32) - (b * s).to(dt).to(tl.float32)
+    out2 = (b * c).to(dt).to(tl.float32) + (a * s).to(dt).to(tl.float32)
+    tl.store(first, out1.to(dt), mask=mask)
+    tl.store(first + HALF, out2.to(dt), mask=mask)
 
 
 @triton.jit

@@ -29,7 +29,10 @@ class FakeEngine:
         self.steps = 0
         self.fail_on_step = fail_on_step
         self.threads: set[int] = set()
-        self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0)
+        self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0, stats=SimpleNamespace(
+            num_preemptions_recompute=0, num_preemptions_swap=0))
+        self.kv = SimpleNamespace(stats=SimpleNamespace(queries=0, hits=0),
+                                  pool=SimpleNamespace(num_evictions=0))
         self.tokenizer = None
         self.model_name = "fake"
         self.max_model_len = 64
