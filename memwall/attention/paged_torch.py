@@ -49,8 +49,8 @@ def _prefill_one(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out
     v = _gather(v_cache, table, seq_len)
     q_len = end - start
     # Query i sits at position seq_len - q_len + i and sees keys 0..that position.
-    q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)  # [q_len, 1]
-    mask = torch.arange(seq_len).unsqueeze(0) <= q_pos  # [q_len, seq_len]
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)  # [q_len, 1]
+    mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos  # [q_len, seq_len]
     out[start:end] = _sdpa(q[start:end].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                            mask.unsqueeze(0), scale)[0]
 
