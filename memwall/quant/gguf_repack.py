@@ -38,8 +38,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 from memwall.loader.gguf_loader import hf_tensor_name, unpermute_qk
 from memwall.loader.gguf_weights import QK_K, _bits, _f16, _k_scales_mins, _nibbles, dequantize
 from memwall.quant.base import QuantWeights
-from memwall.quant.int4_cpu import Int4WeightOnly
-from memwall.quant.int8_cpu import Int8WeightOnly
+from memwall.quant.int4_cpu import Int4WeightOnly, NativeQ4
+from memwall.quant.int8_cpu import Int8WeightOnly, NativeQ8
 
 # (codes [P, n_blocks, values], scale [P, n_blocks, groups], zero [same]) for one GGUF type
 Planes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -98,27 +98,94 @@ _PLANES: dict[QType, Callable[[torch.Tensor], Planes]] = {
 REPACKABLE = (*_PLANES, QType.Q6_K)
 
 
+# --------------------------------------------------------------------------- native (fp32) layouts
+
+# (codes [n_blocks, block], s [n_blocks, groups], c [same]) with w = s * q + c, exactly ggml's
+# arithmetic; codes fit 4 bits for the Q4 types, int8 for the others.
+Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _n_q4_0(b: torch.Tensor) -> Codes:
+    d = _f16(b[:, :2])
+    return _nibbles(b[:, 2:], 16).reshape(b.shape[0], 32), d, -8 * d
+
+
+def _n_q4_1(b: torch.Tensor) -> Codes:
+    return _nibbles(b[:, 4:], 16).reshape(b.shape[0], 32), _f16(b[:, :2]), _f16(b[:, 2:4])
+
+
+def _n_k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _k_scales_mins(b[:, 4:16])
+    return d * sc.float(), -(dmin * mn.float())  # [n, 8] each
+
+
+def _n_q4_k(b: torch.Tensor) -> Codes:
+    return (_nibbles(b[:, 16:], 32).reshape(b.shape[0], QK_K), *_n_k_scales(b))
+
+
+def _n_q5_k(b: torch.Tensor) -> Codes:
+    n = b.shape[0]
+    lo = _nibbles(b[:, 48:], 32).reshape(n, QK_K)
+    hi = _bits(b[:, 16:48], range(8), 0x01, 32).reshape(n, QK_K)
+    return (lo | (hi << 4)).to(torch.int8), *_n_k_scales(b)
+
+
+def _n_q8_0(b: torch.Tensor) -> Codes:
+    d = _f16(b[:, :2])
+    return b[:, 2:].contiguous().view(torch.int8), d, torch.zeros_like(d)
+
+
+def _n_q6_k(b: torch.Tensor) -> Codes:
+    n = b.shape[0]
+    ql = _nibbles(b[:, 0:128], 64).reshape(n, 8, 32)
+    qh = _bits(b[:, 128:192], range(0, 8, 2), 0x03, 32).reshape(n, 8, 32)
+    q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(n, QK_K)
+    s = _f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
+    return q, s, torch.zeros_like(s)
+
+
+_NATIVE: dict[QType, Callable[[torch.Tensor], Codes]] = {
+    QType.Q4_0: _n_q4_0, QType.Q4_1: _n_q4_1, QType.Q4_K: _n_q4_k,
+    QType.Q5_K: _n_q5_k, QType.Q8_0: _n_q8_0, QType.Q6_K: _n_q6_k,
+}
+_NATIVE_4BIT = (QType.Q4_0, QType.Q4_1, QType.Q4_K)
+
+
+def _repack_native(blocks: torch.Tensor, qtype: QType, n: int, k: int) -> QuantWeights:
+    q, s, c = _NATIVE[qtype](blocks)
+    groups = s.shape[1] * blocks.shape[0] // n  # per row
+    q, s, c = q.reshape(n, k), s.reshape(n, groups), c.reshape(n, groups)
+    if qtype in _NATIVE_4BIT:
+        return NativeQ4().from_codes(q, s, c, source=f"gguf {qtype.name}")
+    return NativeQ8().from_codes(q, s, c, source=f"gguf {qtype.name}")
+
+
 # --------------------------------------------------------------------------- one tensor
 
-def repack(raw: torch.Tensor | np.ndarray, qtype: QType, shape: tuple[int, int]) -> QuantWeights | None:
+def repack(raw: torch.Tensor | np.ndarray, qtype: QType, shape: tuple[int, int],
+           backend: str = "auto") -> QuantWeights | None:
     """Raw GGUF bytes of one Linear weight -> QuantWeights; None for float types.
 
     raw: uint8 [rows, row_bytes] (``tensor.data`` of GGUFReader) or any view of those bytes;
-    shape: (out_features, in_features) in numpy order.
+    shape: (out_features, in_features) in numpy order. backend "native" (our fp32 kernels,
+    exact), "torch" (torch's bf16 int4/int8 ops) or "auto" (native when it could be built).
     """
     qtype = QType(qtype)
     if qtype not in REPACKABLE:
         return None
     n, k = shape
     raw_t = torch.as_tensor(np.ascontiguousarray(raw)) if isinstance(raw, np.ndarray) else raw
-    if qtype == QType.Q6_K:  # groups of 16: no exact int4 form; requantize to int8 rows
-        w = dequantize(raw_t.numpy(), qtype, shape)
-        return Int8WeightOnly().create_weights(w, source="gguf Q6_K -> int8 per-channel")
     block, type_size = GGML_QUANT_SIZES[qtype]
     blocks = raw_t.reshape(-1, type_size)
     if blocks.shape[0] * block != n * k:
         raise ValueError(f"GGUF {qtype.name} weight {shape}: {blocks.shape[0]} blocks do not "
                          f"hold {n * k} values")
+    if use_native(backend):
+        return _repack_native(blocks, qtype, n, k)
+    if qtype == QType.Q6_K:  # groups of 16: no exact int4 form; requantize to int8 rows
+        w = dequantize(raw_t.numpy(), qtype, shape)
+        return Int8WeightOnly().create_weights(w, source="gguf Q6_K -> int8 per-channel")
     q, scale, zero = _PLANES[qtype](blocks)  # [P, n_blocks, block], [P, n_blocks, groups]
     planes = q.shape[0]
     method = Int4WeightOnly(group_size=32)
@@ -126,17 +193,30 @@ def repack(raw: torch.Tensor | np.ndarray, qtype: QType, shape: tuple[int, int])
                               zero.reshape(planes, n, k // 32), source=f"gguf {qtype.name}")
 
 
+def use_native(backend: str) -> bool:
+    """Resolve a backend name: "native", "torch" or "auto"."""
+    if backend not in ("auto", "native", "torch"):
+        raise ValueError(f"quantization backend {backend!r}: use 'auto', 'native' or 'torch'")
+    if backend == "torch":
+        return False
+    from memwall.quant import native
+    if backend == "native" and not native.available():
+        raise RuntimeError("memwall's native quantized kernels are not available (no C compiler, "
+                           "or MEMWALL_NATIVE=0); use backend 'torch' or 'auto'")
+    return native.available()
+
+
 # --------------------------------------------------------------------------- a whole file
 
-def gguf_quantized_linears(reader: Any, config: dict[str, Any],
-                           include_lm_head: bool = True) -> dict[str, QuantWeights]:
+def gguf_quantized_linears(reader: Any, config: dict[str, Any], include_lm_head: bool = True,
+                           backend: str = "auto") -> dict[str, QuantWeights]:
     """``{module name: QuantWeights}`` for every quantized Linear weight of a GGUF file.
 
     ``config`` is ``gguf_hf_config(reader)``. Names are HF module paths such as
     ``model.layers.0.self_attn.q_proj``; a tied file's ``token_embd.weight`` also becomes
     ``lm_head`` (the embedding itself is not touched). Float-typed weights are left out:
     they load as floats and stay ``nn.Linear``. q/k rows are un-permuted for llama/mistral,
-    as ``iter_gguf_tensors`` does for the float path.
+    as ``iter_gguf_tensors`` does for the float path. ``backend``: see ``repack``.
     """
     permuted = config.get("model_type") in ("llama", "mistral")
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
@@ -157,5 +237,5 @@ def gguf_quantized_linears(reader: Any, config: dict[str, Any],
         if permuted and leaf in heads:
             raw = unpermute_qk(raw, heads[leaf]).contiguous()
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        out[module] = repack(raw, t.tensor_type, shape)
+        out[module] = repack(raw, t.tensor_type, shape, backend)
     return out

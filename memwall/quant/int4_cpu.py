@@ -225,3 +225,47 @@ class Int4WeightOnly(QuantMethod):
 
     def __repr__(self) -> str:
         return f"Int4WeightOnly(group_size={self.group_size})"
+
+
+# --------------------------------------------------------------------------- our own fp32 kernel
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] (0..15) -> [N, K/2] uint8 in native.py's q4 layout (per 32-value block,
+    byte j = q[j] | q[j+16] << 4: the layout of ggml's Q4_0/Q4_1 blocks)."""
+    n, k = q.shape
+    b = q.to(torch.uint8).reshape(n, k // 32, 2, 16)
+    return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+class NativeQ4(QuantMethod):
+    """4-bit codes in 32-value blocks, w = s * q + c with fp32 s and c, computed in fp32 by
+    memwall/quant/native.py (bit-identical weights to the GGUF reference dequantizer)."""
+
+    name = "int4"
+
+    def supports(self, out_features: int, in_features: int) -> bool:
+        return in_features % 32 == 0
+
+    def create_weights(self, weight: torch.Tensor) -> QuantWeights:
+        n, k = weight.shape
+        if not self.supports(n, k):
+            raise ValueError(f"int4: in_features {k} is not a multiple of 32")
+        q, scale, zero = quantize_int4(weight, 32)
+        return self.from_codes(q, scale, zero - 8 * scale, source="int4 g32")
+
+    def from_codes(self, q: torch.Tensor, s: torch.Tensor, c: torch.Tensor, source: str) -> QuantWeights:
+        """q [N, K] codes 0..15; s, c [N, K/32] float: w = s * q + c."""
+        tensors = {"codes": pack_nibbles(q), "s": s.float().contiguous(), "c": c.float().contiguous()}
+        return QuantWeights(self, tensors, out_features=q.shape[0], in_features=q.shape[1], source=source)
+
+    def concat(self, parts: list[QuantWeights]) -> QuantWeights | None:
+        if any(not isinstance(p.method, NativeQ4) or p.in_features != parts[0].in_features for p in parts):
+            return None
+        tensors = {name: torch.cat([p.tensors[name] for p in parts]) for name in ("codes", "s", "c")}
+        return QuantWeights(self, tensors, sum(p.out_features for p in parts), parts[0].in_features,
+                            " + ".join(sorted({p.source for p in parts})))
+
+    def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        from memwall.quant import native
+        y = native.q4_matmul(x.float().contiguous(), layer.codes, layer.s, layer.c)  # [T, out]
+        return y.to(x.dtype)

@@ -66,3 +66,44 @@ class Int8WeightOnly(QuantMethod):
         else:
             y = torch.ops.aten._weight_int8pack_mm(xb, layer.qweight, layer.scales)
         return y.to(x.dtype)
+
+
+class NativeQ8(QuantMethod):
+    """8-bit codes with a float scale and offset per group of ``G`` inputs (w = s * q + c),
+    computed in fp32 by memwall/quant/native.py. For float checkpoints G = in_features
+    (per-channel); GGUF Q8_0/Q5_K use G = 32 and Q6_K G = 16, exactly."""
+
+    name = "int8"
+
+    def supports(self, out_features: int, in_features: int) -> bool:
+        return in_features % _K_ALIGN == 0
+
+    def create_weights(self, weight: torch.Tensor) -> QuantWeights:
+        n, k = weight.shape
+        if not self.supports(n, k):
+            raise ValueError(f"int8: in_features {k} must be a multiple of {_K_ALIGN}")
+        q, scale = quantize_int8(weight)
+        return self.from_codes(q, scale[:, None], torch.zeros(n, 1), source="int8 per-channel")
+
+    def from_codes(self, q: torch.Tensor, s: torch.Tensor, c: torch.Tensor, source: str) -> QuantWeights:
+        """q [N, K] int8-range codes; s, c [N, K/G] float with G % 16 == 0."""
+        n, k = q.shape
+        if k % s.shape[1] or (k // s.shape[1]) % _K_ALIGN:
+            raise ValueError(f"int8: group of {k // s.shape[1]} inputs is not a multiple of {_K_ALIGN}")
+        tensors = {"codes": q.to(torch.int8).contiguous(), "s": s.float().contiguous(),
+                   "c": c.float().contiguous()}
+        return QuantWeights(self, tensors, out_features=n, in_features=k, source=source)
+
+    def concat(self, parts: list[QuantWeights]) -> QuantWeights | None:
+        first = parts[0].tensors["s"].shape[1]
+        if any(not isinstance(p.method, NativeQ8) or p.in_features != parts[0].in_features
+               or p.tensors["s"].shape[1] != first for p in parts):
+            return None
+        tensors = {name: torch.cat([p.tensors[name] for p in parts]) for name in ("codes", "s", "c")}
+        return QuantWeights(self, tensors, sum(p.out_features for p in parts), parts[0].in_features,
+                            " + ".join(sorted({p.source for p in parts})))
+
+    def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        from memwall.quant import native
+        y = native.q8_matmul(x.float().contiguous(), layer.codes, layer.s, layer.c)  # [T, out]
+        return y.to(x.dtype)

@@ -38,13 +38,20 @@ class QuantizeReport:
                 f"{self.float_bytes / 2**20:.1f} MiB -> {self.quant_bytes / 2**20:.1f} MiB")
 
 
-def get_quant_method(name: str, group_size: int = 32) -> QuantMethod:
-    """``"int8"`` (per-channel) or ``"int4"`` (group-wise, ``group_size`` 32..256)."""
+def get_quant_method(name: str, group_size: int = 32, backend: str = "auto") -> QuantMethod:
+    """``"int8"`` (per-channel) or ``"int4"`` (group-wise). backend "native" (our fp32
+    kernels; int4 then needs group_size 32), "torch" (torch's bf16 ops, int4 group_size
+    32..256) or "auto" (native when it could be built and fits)."""
+    from memwall.quant.gguf_repack import use_native
     if name == "int8":
-        from memwall.quant.int8_cpu import Int8WeightOnly
-        return Int8WeightOnly()
+        from memwall.quant.int8_cpu import Int8WeightOnly, NativeQ8
+        return NativeQ8() if use_native(backend) else Int8WeightOnly()
     if name == "int4":
-        from memwall.quant.int4_cpu import Int4WeightOnly
+        from memwall.quant.int4_cpu import Int4WeightOnly, NativeQ4
+        if group_size == 32 and use_native(backend):
+            return NativeQ4()
+        if backend == "native":
+            raise ValueError(f"the native int4 kernel uses groups of 32, not {group_size}")
         return Int4WeightOnly(group_size)
     raise ValueError(f"unknown quantization {name!r}; use 'int8' or 'int4'")
 

@@ -1,0 +1,355 @@
+"""Our own fp32 CPU kernels for block-quantized weights, built with the system C compiler on
+first use; when there is none, ``available()`` is False and the torch-op methods serve.
+
+Why our own: torch's int4/int8 weight-only ops are only fast with bf16 activations and round
+their OUTPUT to bf16. On SmolLM2 that rounding (worst on the logits, where one bf16 step is
+0.125) makes greedy decoding leave the float path's tokens after ~40 of 64 (see
+benchmarks/quant_linear.py). These kernels keep everything fp32: each weight is rebuilt as
+``s * q + c`` exactly as the reference dequantizer does (multiply, then add; no fused
+multiply-add, so every weight is bit-identical to it) and dotted with fp32 activations.
+
+Two layouts, both row-major, blocks along the input dimension:
+
+    q4: codes uint8 [N, K/2]   32-value block = 16 bytes: byte j = q[j] | q[j+16] << 4
+        s, c float32 [N, K/32] w = s * q + c,  q in 0..15
+    q8: codes int8 [N, K]      s, c float32 [N, K/G], G a multiple of 16 dividing K
+                               w = s * q + c
+
+Threads: OpenMP, linked by soname against the libgomp torch has already loaded, so kernels
+share torch's thread pool and ``torch.set_num_threads``. Set MEMWALL_NATIVE=0 to disable.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("memwall")
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+static inline float hsum(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+#endif
+#define MAXM 16
+
+#if defined(__AVX512F__)
+/* one token, rows r..r+3 together (as q8_gemv4) */
+static void q4_gemv4(const float* x, int64_t K, const uint8_t* codes, const float* s,
+                     const float* c, float* y, int64_t r) {
+    const int64_t nb = K / 32;
+    __m512 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 x0 = _mm512_loadu_ps(x + b * 32), x1 = _mm512_loadu_ps(x + b * 32 + 16);
+        for (int i = 0; i < 4; i++) {
+            __m128i raw = _mm_loadu_si128((const __m128i*)(codes + (r + i) * (K / 2) + b * 16));
+            __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(15));
+            __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15));
+            __m512 vs = _mm512_set1_ps(s[(r + i) * nb + b]), vc = _mm512_set1_ps(c[(r + i) * nb + b]);
+            __m512 w0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), vs), vc);
+            __m512 w1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), vs), vc);
+            acc[2 * i] = _mm512_fmadd_ps(w0, x0, acc[2 * i]);
+            acc[2 * i + 1] = _mm512_fmadd_ps(w1, x1, acc[2 * i + 1]);
+        }
+    }
+    for (int i = 0; i < 4; i++) y[r + i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * i], acc[2 * i + 1]));
+}
+#endif
+
+/* y[m, n] = sum_k x[m, k] * (s[n, k/32] * q[n, k] + c[n, k/32]);  M <= MAXM */
+void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* s,
+             const float* c, float* y, int64_t N) {
+    const int64_t nb = K / 32;
+#if defined(__AVX512F__)
+    if (M == 1 && N % 4 == 0) {
+        #pragma omp parallel for schedule(static)
+        for (int64_t r = 0; r < N; r += 4) q4_gemv4(x, K, codes, s, c, y, r);
+        return;
+    }
+#endif
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t* qr = codes + n * (K / 2);
+        const float* sr = s + n * nb;
+        const float* cr = c + n * nb;
+#if defined(__AVX512F__)
+        __m512 acc[MAXM][2];  /* 16 lanes: a 32-value block is two vectors */
+        for (int64_t m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            __m128i raw = _mm_loadu_si128((const __m128i*)(qr + b * 16));
+            __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(15));
+            __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15));
+            __m512 vs = _mm512_set1_ps(sr[b]), vc = _mm512_set1_ps(cr[b]);
+            __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
+            __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
+            w0 = _mm512_add_ps(_mm512_mul_ps(w0, vs), vc);
+            w1 = _mm512_add_ps(_mm512_mul_ps(w1, vs), vc);
+            for (int64_t m = 0; m < M; m++) {
+                const float* xb = x + m * K + b * 32;
+                acc[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[m][0]);
+                acc[m][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), acc[m][1]);
+            }
+        }
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+#elif defined(HAVE_AVX2)
+        /* 4 accumulators a row: one FMA chain per 8-value slice, so a single token is not
+           held up by FMA latency */
+        __m256 acc[MAXM][4];
+        for (int64_t m = 0; m < M; m++)
+            for (int i = 0; i < 4; i++) acc[m][i] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            __m128i raw = _mm_loadu_si128((const __m128i*)(qr + b * 16));
+            __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(15));
+            __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15));
+            __m256 vs = _mm256_set1_ps(sr[b]), vc = _mm256_set1_ps(cr[b]);
+            __m256 w[4];
+            w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+            w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+            w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+            w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+            for (int i = 0; i < 4; i++) w[i] = _mm256_add_ps(_mm256_mul_ps(w[i], vs), vc);
+            for (int64_t m = 0; m < M; m++) {
+                const float* xb = x + m * K + b * 32;
+                for (int i = 0; i < 4; i++)
+                    acc[m][i] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xb + 8 * i), acc[m][i]);
+            }
+        }
+        for (int64_t m = 0; m < M; m++)
+            y[m * N + n] = hsum(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]),
+                                              _mm256_add_ps(acc[m][2], acc[m][3])));
+#else
+        float acc[MAXM] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            float w[32];
+            for (int j = 0; j < 16; j++) {
+                w[j] = (float)(qr[b * 16 + j] & 15) * sr[b] + cr[b];
+                w[j + 16] = (float)(qr[b * 16 + j] >> 4) * sr[b] + cr[b];
+            }
+            for (int64_t m = 0; m < M; m++)
+                for (int j = 0; j < 32; j++) acc[m] += w[j] * x[m * K + b * 32 + j];
+        }
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = acc[m];
+#endif
+    }
+}
+
+/* y[m, n] = sum_k x[m, k] * (s[n, k/G] * q[n, k] + c[n, k/G]);  M <= MAXM, G % 16 == 0 */
+#if defined(__AVX512F__)
+/* one token, rows r..r+3 together: four independent FMA chains sharing each x load */
+static void q8_gemv4(const float* x, int64_t K, int64_t G, const int8_t* codes,
+                     const float* s, const float* c, float* y, int64_t r) {
+    const int64_t ng = K / G;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t g = 0; g < ng; g++) {
+        __m512 vs[4], vc[4];
+        for (int i = 0; i < 4; i++) {
+            vs[i] = _mm512_set1_ps(s[(r + i) * ng + g]);
+            vc[i] = _mm512_set1_ps(c[(r + i) * ng + g]);
+        }
+        for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+            __m512 xk = _mm512_loadu_ps(x + k);
+            for (int i = 0; i < 4; i++) {
+                __m128i raw = _mm_loadu_si128((const __m128i*)(codes + (r + i) * K + k));
+                __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+                w = _mm512_add_ps(_mm512_mul_ps(w, vs[i]), vc[i]);
+                acc[i] = _mm512_fmadd_ps(w, xk, acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < 4; i++) y[r + i] = _mm512_reduce_add_ps(acc[i]);
+}
+#endif
+
+void q8_gemm(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
+             const float* s, const float* c, float* y, int64_t N) {
+    const int64_t ng = K / G;
+#if defined(__AVX512F__)
+    if (M == 1 && N % 4 == 0) {
+        #pragma omp parallel for schedule(static)
+        for (int64_t r = 0; r < N; r += 4) q8_gemv4(x, K, G, codes, s, c, y, r);
+        return;
+    }
+#endif
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t* qr = codes + n * K;
+        const float* sr = s + n * ng;
+        const float* cr = c + n * ng;
+#if defined(__AVX512F__)
+        __m512 acc[MAXM];
+        for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < ng; g++) {
+            __m512 vs = _mm512_set1_ps(sr[g]), vc = _mm512_set1_ps(cr[g]);
+            for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+                __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qr + k))));
+                w = _mm512_add_ps(_mm512_mul_ps(w, vs), vc);
+                for (int64_t m = 0; m < M; m++)
+                    acc[m] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * K + k), acc[m]);
+            }
+        }
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = _mm512_reduce_add_ps(acc[m]);
+#elif defined(HAVE_AVX2)
+        __m256 acc[MAXM][2];  /* two FMA chains a row (G % 16 == 0) */
+        for (int64_t m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < ng; g++) {
+            __m256 vs = _mm256_set1_ps(sr[g]), vc = _mm256_set1_ps(cr[g]);
+            for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+                __m128i raw = _mm_loadu_si128((const __m128i*)(qr + k));
+                __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+                __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)));
+                w0 = _mm256_add_ps(_mm256_mul_ps(w0, vs), vc);
+                w1 = _mm256_add_ps(_mm256_mul_ps(w1, vs), vc);
+                for (int64_t m = 0; m < M; m++) {
+                    acc[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * K + k), acc[m][0]);
+                    acc[m][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * K + k + 8), acc[m][1]);
+                }
+            }
+        }
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = hsum(_mm256_add_ps(acc[m][0], acc[m][1]));
+#else
+        float acc[MAXM] = {0};
+        for (int64_t k = 0; k < K; k++) {
+            float w = (float)qr[k] * sr[k / G] + cr[k / G];
+            for (int64_t m = 0; m < M; m++) acc[m] += w * x[m * K + k];
+        }
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = acc[m];
+#endif
+    }
+}
+
+/* the weights as float32 [N, K], for large batches (then a BLAS matmul) */
+void q4_dequant(const uint8_t* codes, const float* s, const float* c, float* w, int64_t N, int64_t K) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t b = 0; b < K / 32; b++) {
+            const uint8_t* q = codes + n * (K / 2) + b * 16;
+            float sb = s[n * (K / 32) + b], cb = c[n * (K / 32) + b];
+            float* o = w + n * K + b * 32;
+            for (int j = 0; j < 16; j++) {
+                o[j] = (float)(q[j] & 15) * sb + cb;
+                o[j + 16] = (float)(q[j] >> 4) * sb + cb;
+            }
+        }
+}
+
+void q8_dequant(const int8_t* codes, const float* s, const float* c, float* w, int64_t N,
+                int64_t K, int64_t G) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t k = 0; k < K; k++)
+            w[n * K + k] = (float)codes[n * K + k] * s[n * (K / G) + k / G] + c[n * (K / G) + k / G];
+}
+"""
+
+MAX_TOKENS = 16  # MAXM in the C source: larger batches dequantize and use BLAS
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11"]
+
+
+def _cpu_key() -> str:
+    """Distinguishes CPUs, because -march=native code may not run on another one."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    return "\n".join([platform.machine(), *lines])
+
+
+def _build(compiler: str) -> Path:
+    key = hashlib.sha256("\0".join([_SOURCE, compiler, *_FLAGS, _cpu_key()]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "memwall" / "native"
+    lib = cache / f"quant-{key}.so"
+    if lib.exists():
+        return lib
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        src, out = Path(tmp) / "quant.c", Path(tmp) / "quant.so"
+        src.write_text(_SOURCE)
+        subprocess.run([compiler, *_FLAGS, str(src), "-o", str(out)], check=True,
+                       capture_output=True, timeout=120)
+        os.replace(out, lib)  # atomic: a concurrent builder never sees half a file
+    return lib
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL | None:
+    if os.environ.get("MEMWALL_NATIVE", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or platform.system() != "Linux":
+        logger.info("no C compiler: quantized layers use torch's bf16 kernels")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.warning("building memwall's quantized CPU kernels failed (%s); using torch's "
+                       "bf16 kernels instead", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return None
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    lib.q4_gemm.argtypes = [p, i64, i64, p, p, p, p, i64]
+    lib.q8_gemm.argtypes = [p, i64, i64, i64, p, p, p, p, i64]
+    lib.q4_dequant.argtypes = [p, p, p, p, i64, i64]
+    lib.q8_dequant.argtypes = [p, p, p, p, i64, i64, i64]
+    for f in (lib.q4_gemm, lib.q8_gemm, lib.q4_dequant, lib.q8_dequant):
+        f.restype = None
+    return lib
+
+
+def available() -> bool:
+    """True when the kernels are built (or were cached) and loadable on this machine."""
+    return _lib() is not None
+
+
+def q4_matmul(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """x float32 [M, K] (contiguous) -> [M, N] with the q4 layout's weight."""
+    m, k = x.shape
+    n = codes.shape[0]
+    if m > MAX_TOKENS:
+        return torch.nn.functional.linear(x, q4_dequantize(codes, s, c, k))
+    y = torch.empty(m, n, dtype=torch.float32)
+    _lib().q4_gemm(x.data_ptr(), m, k, codes.data_ptr(), s.data_ptr(), c.data_ptr(), y.data_ptr(), n)
+    return y
+
+
+def q8_matmul(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """x float32 [M, K] (contiguous) -> [M, N] with the q8 layout's weight."""
+    m, k = x.shape
+    n, group = codes.shape[0], k // s.shape[1]
+    if m > MAX_TOKENS:
+        return torch.nn.functional.linear(x, q8_dequantize(codes, s, c))
+    y = torch.empty(m, n, dtype=torch.float32)
+    _lib().q8_gemm(x.data_ptr(), m, k, group, codes.data_ptr(), s.data_ptr(), c.data_ptr(),
+                   y.data_ptr(), n)
+    return y
+
+
+def q4_dequantize(codes: torch.Tensor, s: torch.Tensor, c: torch.Tensor, k: int) -> torch.Tensor:
+    w = torch.empty(codes.shape[0], k, dtype=torch.float32)
+    _lib().q4_dequant(codes.data_ptr(), s.data_ptr(), c.data_ptr(), w.data_ptr(), codes.shape[0], k)
+    return w
+
+
+def q8_dequantize(codes: torch.Tensor, s: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    n, k = codes.shape
+    w = torch.empty(n, k, dtype=torch.float32)
+    _lib().q8_dequant(codes.data_ptr(), s.data_ptr(), c.data_ptr(), w.data_ptr(), n, k, k // s.shape[1])
+    return w

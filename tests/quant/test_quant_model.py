@@ -1,0 +1,138 @@
+"""quantize_model on whole models: a tiny random Llama from a float checkpoint, and the
+embedded SmolLM2 Q4_1 GGUF kept quantized in memory, both against the float model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from memwall.attention.metadata import AttentionMetadata
+from memwall.loader.gguf_loader import gguf_hf_config, open_gguf
+from memwall.loader.model_loader import load_model
+from memwall.quant import QuantLinear, gguf_quantized_linears, native, quantize_model
+from memwall.quant.gguf_repack import repack
+from memwall.quant.transform import ConcatLinear
+from memwall.worker.kv_cache import KVCachePlan, allocate_kv_cache
+
+BLOCK = 16
+
+
+def _cache(arch, tokens: int):
+    blocks = tokens // BLOCK + 1
+    return allocate_kv_cache(arch, KVCachePlan(blocks, BLOCK, 0), torch.float32), list(range(blocks))
+
+
+def run(model: nn.Module, arch, ids: list[int]) -> torch.Tensor:
+    """Logits [T, vocab] of one prefill over ids."""
+    caches, table = _cache(arch, len(ids))
+    meta = AttentionMetadata.build([len(ids)], [len(ids)], [table], BLOCK)
+    with torch.no_grad():
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), caches, meta))
+
+
+@torch.no_grad()
+def greedy(model: nn.Module, arch, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens: one prefill, then one-token decode steps on the paged cache."""
+    caches, table = _cache(arch, len(ids) + n)
+    meta = AttentionMetadata.build([len(ids)], [len(ids)], [table], BLOCK)
+    hidden = model(torch.tensor(ids), torch.arange(len(ids)), caches, meta)
+    out = [int(model.compute_logits(hidden[-1:]).argmax())]
+    for pos in range(len(ids), len(ids) + n - 1):
+        meta = AttentionMetadata.build([1], [pos + 1], [table], BLOCK)
+        hidden = model(torch.tensor([out[-1]]), torch.tensor([pos]), caches, meta)
+        out.append(int(model.compute_logits(hidden).argmax()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load_model(str(tiny_model_dir("llama")))
+
+
+# This random model amplifies weight noise ~5x into its logits (0.6% random noise on every
+# weight gives 2.7%); int8 adds 0.6% a layer, int4 (4 bits of Gaussian weights) ~8%.
+@pytest.mark.parametrize("method, tol", [("int8", 0.06), ("int4", 0.5)])
+def test_tiny_llama_quantized_stays_close_to_float(tiny, method, tol):
+    model = copy.deepcopy(tiny.model)
+    report = quantize_model(model, method)
+    assert not report.kept_float and report.quant_bytes < report.float_bytes / 2.5
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    ids = tiny.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    ref, got = run(tiny.model, tiny.arch, ids), run(model, tiny.arch, ids)
+    assert ((got - ref).norm() / ref.norm()).item() < tol
+    if method == "int8":
+        assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+def test_unjoinable_fused_parts_become_a_concat_linear(tiny):
+    """A fused q/k/v whose parts come in types one kernel cannot share (e.g. Q4_K q, Q6_K v)."""
+    model = copy.deepcopy(tiny.model)
+    attn = model.model.layers[0].self_attn
+    qkv = attn.qkv_proj.weight.detach()
+    q, k, v = qkv.split([attn.num_heads * attn.head_dim, *[attn.num_kv_heads * attn.head_dim] * 2])
+    from memwall.quant.int4_cpu import Int4WeightOnly
+    from memwall.quant.int8_cpu import Int8WeightOnly
+    raw = {"model.layers.0.self_attn.q_proj": Int8WeightOnly().create_weights(q),
+           "model.layers.0.self_attn.k_proj": Int4WeightOnly(32).create_weights(k),
+           "model.layers.0.self_attn.v_proj": Int8WeightOnly().create_weights(v)}
+    quantize_model(model, None, raw)
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, ConcatLinear)
+    assert type(model.model.layers[1].self_attn.qkv_proj) is nn.Linear  # method None: float
+    x = torch.randn(3, qkv.shape[1])
+    ref = nn.functional.linear(x, qkv, tiny.model.model.layers[0].self_attn.qkv_proj.bias)
+    got = model.model.layers[0].self_attn.qkv_proj(x)
+    assert ((got - ref).norm() / ref.norm()).item() < 0.15
+
+
+def test_gguf_weights_for_unknown_layers_are_an_error(tiny):
+    w = repack(torch.zeros(64, 18 * 2, dtype=torch.uint8), 2, (64, 64))  # Q4_0
+    with pytest.raises(ValueError, match="match no Linear"):
+        quantize_model(copy.deepcopy(tiny.model), None, {"model.nope": w})
+
+
+@pytest.fixture(scope="module")
+def smollm(gguf_path):
+    ref = load_model(str(gguf_path))
+    quant = load_model(str(gguf_path))
+    reader = open_gguf(gguf_path)
+    report = quantize_model(quant.model, None, gguf_quantized_linears(reader, gguf_hf_config(reader)))
+    return ref, quant, report
+
+
+PROMPTS = ["Name three primary colors.", "What is the capital of France?",
+           "Write one sentence about the sea."]
+
+
+def _chat(loaded, text: str) -> list[int]:
+    prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                  add_generation_prompt=True)
+    return loaded.tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def test_smollm2_gguf_is_quantized_in_memory(smollm):
+    _, quant, report = smollm
+    assert len(report.quantized) == 4 * 30 + 1 and not report.kept_float  # fused qkv, gate_up
+    assert report.quant_bytes < report.float_bytes / 4
+    linears = [m for m in quant.model.modules() if isinstance(m, QuantLinear)]
+    assert len(linears) == 121 and not any(type(m) is nn.Linear for m in quant.model.modules())
+
+
+def test_smollm2_gguf_quantized_agrees_with_float(smollm):
+    """Teacher-forced: the quantized model's argmax on the float model's greedy continuation.
+    With the native kernels (fp32 throughout) free-running greedy tokens are checked too."""
+    ref, quant, _ = smollm
+    agree = total = 0
+    for text in PROMPTS:
+        ids = _chat(ref, text)
+        tokens = greedy(ref.model, ref.arch, ids, 16)
+        seq = ids + tokens
+        a = run(ref.model, ref.arch, seq)[len(ids) - 1:-1].argmax(-1)
+        b = run(quant.model, quant.arch, seq)[len(ids) - 1:-1].argmax(-1)
+        agree += int((a == b).sum())
+        total += len(tokens)
+        if native.available():
+            assert greedy(quant.model, quant.arch, ids, 16) == tokens
+    assert agree / total >= 0.9
