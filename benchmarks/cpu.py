@@ -1,12 +1,15 @@
-"""CPU single-stream benchmark: memwall vs HF transformers vs llama.cpp on one GGUF, one run.
+"""CPU benchmark: memwall vs HF transformers vs llama.cpp on one GGUF, one run.
 
     python benchmarks/cpu.py [--model GGUF] [--threads 2] [--decode-tokens 128] [--prompt-tokens 512]
+                             [--batch-requests 16] [--engines memwall,transformers,llama.cpp]
 
 Each engine runs in its own subprocess (so its peak RSS is its own), pinned to the same cores
 with the same thread count. Reported: B=1 decode tokens/s, prefill tokens/s for a
-``--prompt-tokens`` prompt, peak RSS. Ratios are memwall / baseline. Writes JSON to
-benchmarks/results/cpu-<time>.json with the CPU model. llama.cpp comes from
-scripts/setup-baselines (skipped with a note if it is not built).
+``--prompt-tokens`` prompt, batch throughput (output tokens/s for ``--batch-requests``
+requests: memwall serves them together, transformers runs generate() for one after another),
+peak RSS. Ratios are memwall / baseline. Writes JSON to benchmarks/results/cpu-<time>.json
+with the CPU model. llama.cpp comes from scripts/setup-baselines (skipped with a note if it is
+not built); its concurrent serving is compared by benchmarks/serve.py.
 """
 
 from __future__ import annotations
@@ -58,7 +61,23 @@ def worker_memwall(model: str, threads: int, decode_tokens: int, prompt_tokens: 
     while engine.has_unfinished_requests():
         engine.step()
     decode_s = time.perf_counter() - start
-    return {"prefill_tok_s": prompt_tokens / prefill_s, "decode_tok_s": decode_tokens / decode_s}
+    result = {"prefill_tok_s": prompt_tokens / prefill_s, "decode_tok_s": decode_tokens / decode_s}
+    batch = extra.get("batch")
+    if batch:  # throughput: all requests at once, continuous batching
+        prompts = _batch_prompts(llm.tokenizer, batch["requests"], batch["prompt_tokens"])
+        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=batch["output_tokens"])
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        produced = sum(len(o.outputs[0].token_ids) for o in outs)
+        result.update(batch_tok_s=produced / elapsed, batch_requests=len(prompts))
+    return result
+
+
+def _batch_prompts(tokenizer, requests: int, tokens: int) -> list[list[int]]:
+    """Distinct prompts of ``tokens`` tokens (no shared prefix to cache)."""
+    base = _prompt_ids(tokenizer, tokens + requests)
+    return [base[i:i + tokens] for i in range(requests)]
 
 
 def worker_transformers(model: str, threads: int, decode_tokens: int, prompt_tokens: int, extra: dict) -> dict:
@@ -86,7 +105,20 @@ def worker_transformers(model: str, threads: int, decode_tokens: int, prompt_tok
         hf.generate(ids, max_new_tokens=decode_tokens + 1, min_new_tokens=decode_tokens + 1,
                     do_sample=False)
         decode_s = time.perf_counter() - start - first_s
-    return {"prefill_tok_s": prompt_tokens / prefill_s, "decode_tok_s": decode_tokens / decode_s}
+        result = {"prefill_tok_s": prompt_tokens / prefill_s, "decode_tok_s": decode_tokens / decode_s}
+        batch = extra.get("batch")
+        if batch:  # throughput of sequential generate(): one request after another
+            count = min(batch["requests"], batch["hf_requests"])
+            prompts = _batch_prompts(Tokenizer.from_gguf(open_gguf(path)), batch["requests"],
+                                     batch["prompt_tokens"])[:count]
+            out = batch["output_tokens"]
+            start = time.perf_counter()
+            for prompt in prompts:
+                hf.generate(torch.tensor([prompt]), max_new_tokens=out, min_new_tokens=out,
+                            do_sample=False)
+            result.update(batch_tok_s=count * out / (time.perf_counter() - start),
+                          batch_requests=count)
+    return result
 
 
 def _prompt_ids(tokenizer, count: int) -> list[int]:
@@ -154,6 +186,14 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--engines", default="memwall,transformers,llama.cpp")
+    parser.add_argument("--batch-requests", type=int, default=16,
+                        help="throughput run: this many requests (0 to skip); memwall serves them "
+                             "together, transformers one generate() after another")
+    parser.add_argument("--batch-prompt-tokens", type=int, default=128)
+    parser.add_argument("--batch-output-tokens", type=int, default=128)
+    parser.add_argument("--hf-batch-requests", type=int, default=4,
+                        help="transformers' sequential run times this many of the requests "
+                             "(its throughput does not depend on how many)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -162,12 +202,16 @@ def main() -> None:
         from memwall.loader.model_loader import embedded_model_path
 
         args.model = str(embedded_model_path())
+    batch = {"requests": args.batch_requests, "prompt_tokens": args.batch_prompt_tokens,
+             "output_tokens": args.batch_output_tokens, "hf_requests": args.hf_batch_requests}
     results = {}
     for engine in args.engines.split(","):
         print(f"running {engine} ...", file=sys.stderr, flush=True)
-        results[engine] = run_llama_cpp(args) if engine == "llama.cpp" else run_worker(engine, args)
+        extra = {"batch": batch} if args.batch_requests else {}
+        results[engine] = run_llama_cpp(args) if engine == "llama.cpp" else run_worker(engine, args, extra)
     report = {"cpu": cpu_model(), "threads": args.threads, "model": Path(args.model).name,
               "decode_tokens": args.decode_tokens, "prompt_tokens": args.prompt_tokens,
+              "batch": batch,
               "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": results}
     print_table(report)
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -178,24 +222,31 @@ def main() -> None:
 
 def print_table(report: dict) -> None:
     results = report["results"]
+    batch = report.get("batch") or {}
     print(f"\nCPU: {report['cpu']}, {report['threads']} threads, model {report['model']}")
-    header = f"{'engine':<14}{'decode tok/s':>14}{'prefill tok/s':>15}{'peak RSS MB':>13}"
+    print(f"batch tok/s: output tokens/s over {batch.get('requests')} requests of "
+          f"{batch.get('prompt_tokens')} prompt + {batch.get('output_tokens')} output tokens "
+          "(memwall: all at once; transformers: sequential generate)")
+    header = (f"{'engine':<14}{'decode tok/s':>14}{'prefill tok/s':>15}{'batch tok/s':>13}"
+              f"{'peak RSS MB':>13}")
     print(header + "\n" + "-" * len(header))
+    fmt = lambda v, spec: format(v, spec) if v else "n/a"
     for name, r in results.items():
         if "error" in r:
             print(f"{name:<14}  error: {r['error']}")
             continue
-        rss = r.get("peak_rss_mb")
-        print(f"{name:<14}{r['decode_tok_s']:>14.1f}{r['prefill_tok_s']:>15.1f}"
-              f"{(f'{rss:.0f}' if rss else 'n/a'):>13}")
+        print(f"{name:<14}{fmt(r.get('decode_tok_s'), '.1f'):>14}{fmt(r.get('prefill_tok_s'), '.1f'):>15}"
+              f"{fmt(r.get('batch_tok_s'), '.1f'):>13}{fmt(r.get('peak_rss_mb'), '.0f'):>13}")
     ours = results.get("memwall", {})
     for base in [n for n in results if n != "memwall"]:
         r = results[base]
         if "error" in r or "error" in ours:
             continue
-        ratio = lambda k: ours[k] / r[k] if r.get(k) else float("nan")
-        print(f"memwall / {base}: decode {ratio('decode_tok_s'):.2f}x, prefill {ratio('prefill_tok_s'):.2f}x"
-              + (f", RSS {ours['peak_rss_mb'] / r['peak_rss_mb']:.2f}x" if r.get("peak_rss_mb") else ""))
+        parts = [f"{label} {ours[key] / r[key]:.2f}x" for key, label in
+                 (("decode_tok_s", "decode"), ("prefill_tok_s", "prefill"),
+                  ("batch_tok_s", "batch throughput"), ("peak_rss_mb", "RSS"))
+                 if r.get(key) and ours.get(key)]
+        print(f"memwall / {base}: " + ", ".join(parts))
 
 
 if __name__ == "__main__":

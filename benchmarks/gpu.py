@@ -1,6 +1,10 @@
-"""GPU kernel benchmark: the Triton kernels against the torch reference at Llama-3-8B shapes.
+"""GPU benchmark: the Triton kernels against the torch reference at Llama-3-8B shapes, then
+the whole engine (benchmarks/gpu_engine.py: decode tok/s at B=1/64/128 in bf16 and fp8,
+8k prefill, roofline, HF transformers baseline, fp8 greedy agreement) in the same run.
 
-    python benchmarks/gpu.py [--out FILE] [--quick]
+    python benchmarks/gpu.py [--out FILE] [--quick] [--kernels-only]
+    python benchmarks/gpu.py --smoke      # tiny shapes on any device (the CPU too): code paths
+                                          # only, no timing claims; JSON only with --out
 
 Shapes: 32 query heads on 8 KV heads, head_dim 128, hidden 4096, intermediate 14336, KV block
 16, bfloat16; one layer per call. For every case the same run times the Triton kernel and its
@@ -14,7 +18,7 @@ checking that they agree (relative-norm error), and reports:
 
 Attention rows also sweep a few tile shapes (prefill rows x key tile x warps; decode key tile)
 and keep every config's time in the JSON. Results go to benchmarks/results/gpu-kernels-<device>-
-<timestamp>.json. Needs CUDA and triton; imports cleanly without either.
+<timestamp>.json. Needs CUDA and triton (except --smoke); imports cleanly without either.
 """
 
 from __future__ import annotations
@@ -233,18 +237,44 @@ def run(quick: bool) -> dict:
             "ceilings": ceil, "cases": rows, "max_rel_err": max(r["rel_err"] for r in rows)}
 
 
+def smoke(out: Path | None) -> int:
+    """Every engine-level piece at tiny shapes on this machine's device; proves code paths only."""
+    from benchmarks import gpu_engine
+
+    result = gpu_engine.run(smoke=True)
+    gpu_engine.print_engine(result)
+    print("\n--smoke: tiny shapes, code paths only; these numbers measure nothing")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"smoke": True, **result}, indent=2, default=str))
+        print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/gpu-kernels-*.json)")
-    parser.add_argument("--quick", action="store_true", help="a few cases only (a smoke run)")
+    parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/gpu-*.json)")
+    parser.add_argument("--quick", action="store_true", help="fewer cases and shorter runs")
+    parser.add_argument("--kernels-only", action="store_true", help="skip the whole-engine part")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny engine shapes on any device, CPU included (no timing claims)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        return smoke(args.out)
     if not (torch.cuda.is_available() and TRITON_AVAILABLE):
         print("benchmarks/gpu.py needs a CUDA device and triton; found "
               f"cuda={torch.cuda.is_available()} triton={TRITON_AVAILABLE}", file=sys.stderr)
         return 2
     result = run(args.quick)
+    if not args.kernels_only:
+        from benchmarks import gpu_engine
+
+        start = time.perf_counter()
+        result["engine"] = gpu_engine.run(quick=args.quick, copy_GBps=result["ceilings"]["copy_GBps"])
+        result["engine"]["seconds"] = time.perf_counter() - start
+        gpu_engine.print_engine(result["engine"])
     device = result["device"].replace(" ", "-")
-    out = args.out or RESULTS_DIR / f"gpu-kernels-{device}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = args.out or RESULTS_DIR / f"gpu-{device}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str))
     print(f"\nwrote {out}")

@@ -125,6 +125,30 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
+DEVICES = ("auto", "cpu", "cuda")
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where the model runs and in which number formats (resolved: no ``auto`` left)."""
+
+    device: str = "cpu"
+    """cpu or cuda."""
+    dtype: str = "float32"
+    """Compute dtype of weights and activations: float32, bfloat16 or float16."""
+    gpu_memory_utilization: float = 0.9
+    """cuda: share of total GPU memory for weights + activations + KV cache."""
+    kv_cache_dtype: str = "auto"
+    """auto (= dtype) or fp8 (torch.float8_e4m3fn)."""
+    enforce_eager: bool = False
+    """cuda: never capture or replay CUDA graphs."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device == "cuda"
+
+
 def _arg(default: Any, help: str) -> Any:
     """A dataclass field whose help text becomes the CLI flag's help."""
     return field(default=default, metadata={"help": help})
@@ -140,7 +164,13 @@ class EngineArgs:
     model: str | None = _arg(None, "GGUF file or Hugging Face directory (default: the embedded "
                                    "SmolLM2-135M-Instruct Q4_1)")
     tokenizer: str | None = _arg(None, "tokenizer directory when it differs from the model's")
-    dtype: str = _arg("float32", "compute dtype: float32, bfloat16 or float16")
+    dtype: str = _arg("auto", "compute dtype: auto (float32 on cpu, bfloat16 on cuda), float32, "
+                              "bfloat16 or float16")
+    quantization: str = _arg("auto", "weights in memory: auto (a GGUF's quantized weights stay "
+                                     "quantized, float checkpoints stay float), none (dequantize "
+                                     "all to --dtype), int8 or int4 (quantize float weights at load), "
+                                     "fp8 (float8 e4m3 weights, a scale per output channel; "
+                                     "torch._scaled_mm on cuda, dequantized matmul elsewhere)")
     block_size: int = _arg(DEFAULT_BLOCK_SIZE, "tokens per KV-cache block")
     kv_cache_memory: int | None = _arg(None, "bytes for the KV cache (default: a fraction of free RAM)")
     kv_cache_fraction: float = _arg(0.25, "share of available RAM for the KV cache when "
@@ -159,10 +189,28 @@ class EngineArgs:
     threads: int | None = _arg(None, "CPU threads (default: the cores this process may use)")
     seed: int = _arg(0, "seed of the generator shared by requests without their own seed")
     show_progress: bool = _arg(False, "show a progress bar while the model loads")
+    # ---- device (GPU backend; see DeviceConfig) ----
+    device: str = _arg("auto", "where the model runs: auto (cuda when a GPU is visible, else cpu), "
+                               "cpu or cuda")
+    gpu_memory_utilization: float = _arg(0.9, "share of the GPU's memory this engine may use; the "
+                                               "KV cache gets what weights and a profiled forward "
+                                               "pass leave of it (cuda only)")
+    kv_cache_dtype: str = _arg("auto", "KV cache elements: auto (the compute dtype) or fp8 (float8 "
+                                       "e4m3, one byte; values clamped to +-448, no scale)")
+    enforce_eager: bool = _arg(False, "cuda: run decode steps eagerly instead of replaying "
+                                      "captured CUDA graphs")
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
 
@@ -180,10 +228,21 @@ class EngineArgs:
                                scheduling_policy=self.scheduling_policy,
                                preemption_mode=self.preemption_mode)
 
+    def device_config(self, cuda_available: bool) -> "DeviceConfig":
+        """Resolves ``auto`` for this machine (``cuda_available``: torch.cuda.is_available())."""
+        device = self.device if self.device != "auto" else ("cuda" if cuda_available else "cpu")
+        if device == "cuda" and not cuda_available:
+            raise ValueError("device 'cuda' was asked for but torch sees no CUDA device: install a "
+                             "CUDA build of torch, or use --device cpu")
+        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+        return DeviceConfig(device=device, dtype=dtype,
+                            gpu_memory_utilization=self.gpu_memory_utilization,
+                            kv_cache_dtype=self.kv_cache_dtype, enforce_eager=self.enforce_eager)
+
     @classmethod
     def cli_fields(cls):
         """(name, default, help) for every field, for building command-line flags."""
         return [(f.name, f.default, f.metadata.get("help", "")) for f in fields(cls)]
 
 
-__all__ = ["ModelArchConfig", "CacheConfig", "SchedulerConfig", "EngineArgs"]
+__all__ = ["ModelArchConfig", "CacheConfig", "SchedulerConfig", "DeviceConfig", "EngineArgs"]

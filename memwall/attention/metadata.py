@@ -30,6 +30,8 @@ class AttentionMetadata:
     """Sequences with several query tokens: attended one by one with a causal mask."""
     decode: "DecodeBatch | None" = None
     """Per-step tensors for the decode sequences, shared by every layer."""
+    backend: str = "torch"
+    """Which attention backend runs this step: torch or triton (memwall/attention/backend.py)."""
 
     @property
     def num_seqs(self) -> int:
@@ -37,7 +39,8 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-              block_size: int, device: torch.device | str = "cpu") -> "AttentionMetadata":
+              block_size: int, device: torch.device | str = "cpu",
+              backend: str = "torch") -> "AttentionMetadata":
         query_start = [0]
         slots: list[int] = []
         for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
@@ -56,7 +59,8 @@ class AttentionMetadata:
             decode_seq_ids=decode_ids,
             prefill_seq_ids=[i for i, q in enumerate(query_lens) if q > 1],
             decode=DecodeBatch.build(decode_ids, query_start, seq_lens, block_tables, block_size,
-                                     device) if decode_ids else None,
+                                     device) if decode_ids and backend == "torch" else None,
+            backend=backend,
         )
 
 
@@ -75,6 +79,7 @@ class DecodeBatch:
     mask: torch.Tensor | None  # [B, 1, 1, max_len] additive (0 / -inf), None when all lengths equal
     contiguous_start: int | None = None
     num_blocks: int = field(default=0)
+    seq_lens: torch.Tensor | None = None  # [B] int64, KV length of each decode sequence
 
     @classmethod
     def build(cls, seq_ids: list[int], query_start: list[int], seq_lens: list[int],
@@ -94,4 +99,4 @@ class DecodeBatch:
             start = tables[0][0]
         return cls(torch.tensor([query_start[s] for s in seq_ids], device=device),
                    torch.tensor(tables, dtype=torch.long, device=device), max_len, mask, start,
-                   num_blocks)
+                   num_blocks, torch.tensor(lens, dtype=torch.long, device=device))

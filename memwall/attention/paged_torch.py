@@ -23,11 +23,12 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim]."""
+                    meta: AttentionMetadata, scale: float, decode=None) -> torch.Tensor:
+    """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim]. ``decode``: another
+    implementation of ``_decode`` (same signature) for the one-token rows, e.g. a native kernel."""
     out = torch.empty_like(q)
     if meta.decode_seq_ids:
-        _decode(q, k_cache, v_cache, meta, scale, out)
+        (decode or _decode)(q, k_cache, v_cache, meta, scale, out)
     for seq in meta.prefill_seq_ids:
         _prefill_one(q, k_cache, v_cache, meta, scale, out, seq)
     return out

@@ -9,6 +9,11 @@ int32 upload per step, laid out as
 where prefill work lists one (sequence, first query index) pair per program. The plan is built
 at the first layer that sees a metadata object and kept on that object, so the other layers of
 the step reuse it (no global state; the plan dies with the step's metadata).
+
+CUDA graphs (memwall/worker/cuda_graphs.py) cannot rebuild a plan per step: they attach a
+*static* decode plan to a metadata object made of persistent device buffers
+(``attach_static_decode_plan``); its splits are sized on the device from each sequence's own
+length, so replaying the graph needs no host value that changes between steps.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from memwall.kernels.triton.paged_attention import (PREFILL_BLOCK_M, TILE_N, dec
                                                     prefill_work, reshape_and_cache)
 
 _PLAN_ATTR = "_triton_plans"  # where the plans live on an AttentionMetadata, by block_q
+_STATIC = "static"  # the key of a static decode plan, valid for any block_q
 
 
 def available() -> bool:
@@ -41,6 +47,10 @@ class TritonAttentionPlan:
     prefill_work: torch.Tensor  # [P, 2] int32, (sequence, first query index) per program
     max_decode_len: int
     """Longest decode context: sizes the decode splits."""
+    num_splits: int | None = None
+    """Decode splits fixed by the plan (None: chosen per call)."""
+    dynamic_split: bool = False
+    """Each decode sequence sizes its own splits on the device (graph-safe)."""
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_q: int) -> "TritonAttentionPlan":
@@ -57,9 +67,27 @@ class TritonAttentionPlan:
     def of(cls, meta: AttentionMetadata, block_q: int) -> "TritonAttentionPlan":
         """The plan cached on ``meta`` (built on first use)."""
         plans = meta.__dict__.setdefault(_PLAN_ATTR, {})
+        if _STATIC in plans:  # decode only: block_q (a prefill setting) does not matter
+            return plans[_STATIC]
         if block_q not in plans:
             plans[block_q] = cls.build(meta, block_q)
         return plans[block_q]
+
+
+def attach_static_decode_plan(meta: AttentionMetadata, query_start: torch.Tensor,
+                              seq_lens: torch.Tensor, decode_seqs: torch.Tensor, max_len: int,
+                              num_splits: int) -> TritonAttentionPlan:
+    """Pins a decode-only plan on ``meta`` that reads the given device buffers as they are when
+    a kernel runs (query_start [B+1], seq_lens [B], decode_seqs [B] int32): the caller rewrites
+    their contents between graph replays. ``max_len`` bounds every seq_len."""
+    if meta.prefill_seq_ids:
+        raise ValueError("a static plan serves decode-only steps; this metadata has prefills")
+    empty = torch.empty(0, 2, dtype=torch.int32, device=seq_lens.device)
+    plan = TritonAttentionPlan(query_start=query_start, seq_lens=seq_lens, decode_seqs=decode_seqs,
+                               prefill_work=empty, max_decode_len=max_len, num_splits=num_splits,
+                               dynamic_split=True)
+    meta.__dict__.setdefault(_PLAN_ATTR, {})[_STATIC] = plan
+    return plan
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -87,8 +115,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if meta.decode_seq_ids:
         decode_attention(out, q, k_cache, v_cache, tables, plan.query_start, plan.seq_lens,
                          plan.decode_seqs, plan.max_decode_len, scale,
-                         num_splits=num_splits, tile_n=tile_n, num_warps=num_warps,
-                         num_stages=num_stages)
+                         num_splits=num_splits if num_splits is not None else plan.num_splits,
+                         tile_n=tile_n, num_warps=num_warps, num_stages=num_stages,
+                         dynamic_split=plan.dynamic_split)
     if meta.prefill_seq_ids:
         prefill_attention(out, q, k_cache, v_cache, tables, plan.query_start, plan.seq_lens,
                           plan.prefill_work, scale, block_m=block_m, tile_n=tile_n,

@@ -7,21 +7,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 
 import torch
 
-from memwall.config import EngineArgs
+from memwall.attention.backend import choose as choose_attention_backend
+from memwall.config import CacheConfig, DeviceConfig, EngineArgs, ModelArchConfig, SchedulerConfig
 from memwall.core.kv.manager import KVCacheManager
 from memwall.core.scheduler import Scheduler
 from memwall.engine.output_processor import OutputProcessor
 from memwall.engine.processor import InvalidRequestError, Processor, PromptType
-from memwall.loader.model_loader import DTYPES, LoadedModel, load_model
+from memwall.loader.model_loader import LoadedModel, load_model
 from memwall.outputs import RequestOutput
 from memwall.request import Request, RequestStatus
 from memwall.sampling_params import SamplingParams
+from memwall.worker.device import (GpuMemoryProfile, kv_cache_dtype, loader_quantization,
+                                   place_model, profile_gpu_memory)
 from memwall.worker.kv_cache import plan_kv_cache
 from memwall.worker.runner import ModelRunner
 
@@ -38,15 +42,23 @@ class LLMEngine:
         if arch.sliding_window:
             model_len = min(model_len, arch.sliding_window)
         sched_cfg = args.scheduler_config(model_len)
-        dtype = DTYPES[args.dtype]
-        self.kv_plan = plan_kv_cache(arch, args.cache_config(), dtype,
+        self.device_config = dev = args.device_config(torch.cuda.is_available())
+        model = place_model(loaded.model, dev, args.quantization)
+        backend = choose_attention_backend(dev.device)
+        kv_dtype = kv_cache_dtype(dev)
+        cache_cfg, self.gpu_memory = self._size_gpu_cache(args.cache_config(), dev, model, arch,
+                                                          sched_cfg, kv_dtype, backend)
+        self.kv_plan = plan_kv_cache(arch, cache_cfg, kv_dtype,
                                      sched_cfg.max_num_seqs * sched_cfg.max_model_len)
         self.max_model_len = min(sched_cfg.max_model_len, self.kv_plan.max_tokens)
-        cache_cfg = args.cache_config()
         self.kv = KVCacheManager(self.kv_plan.num_blocks, self.kv_plan.block_size,
                                  cache_cfg.enable_prefix_caching, self.kv_plan.num_swap_blocks)
         self.scheduler = Scheduler(sched_cfg, self.kv)
-        self.runner = ModelRunner(loaded.model, arch, self.kv_plan, dtype, args.seed)
+        self.runner = ModelRunner(model, arch, self.kv_plan, kv_dtype, args.seed, dev.device, backend)
+        self.graph_buckets: list[int] = []
+        if dev.is_cuda and not dev.enforce_eager and backend == "triton":
+            self.graph_buckets = self.runner.capture_cuda_graphs(sched_cfg.max_num_seqs,
+                                                                 self.max_model_len)
         self.processor = Processor(self.tokenizer, self.max_model_len, arch.vocab_size,
                                    sched_cfg.max_num_seqs)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -56,8 +68,22 @@ class LLMEngine:
     @classmethod
     def from_args(cls, args: EngineArgs) -> "LLMEngine":
         torch.set_num_threads(args.threads or default_threads())
-        loaded = load_model(args.model, args.dtype, args.tokenizer, progress=args.show_progress)
+        dev = args.device_config(torch.cuda.is_available())
+        loaded = load_model(args.model, dev.dtype, args.tokenizer, progress=args.show_progress,
+                            quantization=loader_quantization(args.quantization))
         return cls(args, loaded)
+
+    @staticmethod
+    def _size_gpu_cache(cache_cfg: CacheConfig, dev: DeviceConfig, model: torch.nn.Module,
+                        arch: ModelArchConfig, sched_cfg: SchedulerConfig, kv_dtype: torch.dtype,
+                        backend: str) -> tuple[CacheConfig, GpuMemoryProfile | None]:
+        """On cuda without an explicit size, the KV budget is what a profiled forward pass
+        leaves of gpu_memory_utilization x the device's memory."""
+        if not dev.is_cuda or cache_cfg.kv_cache_memory is not None or cache_cfg.num_blocks is not None:
+            return cache_cfg, None
+        profile = profile_gpu_memory(model, arch, sched_cfg, cache_cfg.block_size, kv_dtype, dev,
+                                     backend)
+        return dataclasses.replace(cache_cfg, kv_cache_memory=profile.check()), profile
 
     @property
     def model_name(self) -> str:
@@ -68,7 +94,18 @@ class LLMEngine:
         return self.loaded.arch.vocab_size
 
     def describe(self) -> str:
-        return f"{self.kv_plan.describe()}; context window {self.max_model_len} tokens"
+        dev = self.device_config
+        text = f"{self.kv_plan.describe()}; context window {self.max_model_len} tokens"
+        if dev.is_cuda:
+            text += f"; cuda {dev.dtype}"
+        if dev.kv_cache_dtype != "auto":
+            text += f", KV cache {dev.kv_cache_dtype}"
+        if self.gpu_memory is not None:
+            text += f"; {self.gpu_memory.describe()}"
+        if dev.is_cuda:
+            text += (f"; CUDA graphs for decode batches {self.graph_buckets}" if self.graph_buckets
+                     else "; eager (no CUDA graphs)")
+        return text
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> list[int]:

@@ -48,8 +48,15 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)  # [head_dim / 2]
-        positions = torch.arange(max_positions, dtype=torch.float32)
+        self.head_dim, self.max_positions, self.theta, self.scaling = (
+            head_dim, max_positions, theta, scaling)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """(Re)computes the tables: at construction, and after a model built on the meta
+        device is materialized with ``to_empty`` (which leaves buffers uninitialized)."""
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)  # [head_dim / 2]
+        positions = torch.arange(self.max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
         # Half-width tables (what kernels read), and full-width ones with rotate-half's sign
         # folded into sin for the torch path: x * cos + swap_halves(x) * sin is four cheap ops.

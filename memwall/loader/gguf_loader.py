@@ -22,13 +22,14 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Container, Iterator
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFValueType
 
 from memwall.loader.errors import ModelLoadError
+from memwall.loader.gguf_file import GGUFFile
 from memwall.loader.gguf_weights import SUPPORTED_GGUF_TYPES, dequantize, is_supported
 
 __all__ = ["ModelLoadError", "SUPPORTED_GGUF_ARCHS", "SUPPORTED_GGUF_TYPES", "open_gguf",
@@ -54,8 +55,9 @@ _IGNORED_RE = re.compile(r"rope_freqs\.weight|blk\.\d+\.attn_rot_embd(\.weight)?
 
 # --------------------------------------------------------------------------- opening
 
-def open_gguf(path: str | os.PathLike) -> GGUFReader:
-    """Open a GGUF file (memory-mapped; tensors are read lazily).
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """Open a GGUF file: metadata parsed, tensors read from the file when their ``data`` is
+    asked for (memwall/loader/gguf_file.py; shaped like ``gguf.GGUFReader``).
 
     A missing path, a directory, a file that is not GGUF, and a truncated or corrupt file
     all raise ModelLoadError with a one-line message naming the path and the problem.
@@ -72,12 +74,12 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
         what = "the file is empty" if size == 0 else f"it starts with {magic!r}, not b'GGUF'"
         raise ModelLoadError(f"{str(p)!r} is not a GGUF file ({what})")
     try:
-        reader = GGUFReader(p)
+        reader = GGUFFile(p)
     except Exception as e:  # noqa: BLE001 - any parse failure means a damaged file
+        if "big-endian" in str(e):
+            raise ModelLoadError(f"{str(p)!r} is a big-endian GGUF file, which is not supported")
         raise ModelLoadError(f"{str(p)!r} is a truncated or corrupt GGUF file ({size} bytes; "
                              f"{_one_line(e)})") from e
-    if reader.byte_order != "I":
-        raise ModelLoadError(f"{str(p)!r} is a big-endian GGUF file, which is not supported")
     for t in reader.tensors:  # the reader checks shapes, but not every path: be sure
         if t.data_offset + t.n_bytes > size:
             raise ModelLoadError(f"{str(p)!r} is truncated: tensor {t.name!r} ends at byte "
@@ -92,7 +94,7 @@ def _one_line(e: BaseException) -> str:
 
 # --------------------------------------------------------------------------- metadata
 
-def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     """A scalar or string metadata value as a Python object; ``default`` when absent.
 
     Arrays are not decoded here (a 150k-entry token list is slow); see _array_len.
@@ -114,12 +116,12 @@ def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
     return value
 
 
-def _array_len(reader: GGUFReader, key: str) -> int | None:
+def _array_len(reader: GGUFFile, key: str) -> int | None:
     f = reader.fields.get(key)
     return len(f.data) if f is not None and f.types and f.types[0] == GGUFValueType.ARRAY else None
 
 
-def _tensor_map(reader: GGUFReader) -> dict[str, Any]:
+def _tensor_map(reader: GGUFFile) -> dict[str, Any]:
     return {t.name: t for t in reader.tensors}
 
 
@@ -128,7 +130,7 @@ def _np_shape(t: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(t.shape.tolist()))
 
 
-def gguf_hf_config(reader: GGUFReader) -> dict[str, Any]:
+def gguf_hf_config(reader: GGUFFile) -> dict[str, Any]:
     """An HF-transformers-style config dict from the GGUF metadata.
 
     Shapes come from ``{arch}.*`` keys. Derived values: vocab_size falls back to the token
@@ -182,7 +184,7 @@ def gguf_hf_config(reader: GGUFReader) -> dict[str, Any]:
     }
 
 
-def _head_dim(reader: GGUFReader, arch: str, tensors: dict, hidden: int, heads: int) -> int:
+def _head_dim(reader: GGUFFile, arch: str, tensors: dict, hidden: int, heads: int) -> int:
     """attention.key_length when written, else the q projection's rows / heads, else hidden / heads."""
     key_length = _field(reader, f"{arch}.attention.key_length")
     if key_length:
@@ -192,7 +194,7 @@ def _head_dim(reader: GGUFReader, arch: str, tensors: dict, hidden: int, heads: 
     return hidden // heads
 
 
-def _vocab_size(reader: GGUFReader, arch: str, tensors: dict) -> int:
+def _vocab_size(reader: GGUFFile, arch: str, tensors: dict) -> int:
     size = _field(reader, f"{arch}.vocab_size") or _array_len(reader, "tokenizer.ggml.tokens")
     if not size and "token_embd.weight" in tensors:
         size = _np_shape(tensors["token_embd.weight"])[0]
@@ -203,7 +205,7 @@ def _vocab_size(reader: GGUFReader, arch: str, tensors: dict) -> int:
 
 # --------------------------------------------------------------------------- rope scaling
 
-def _rope_scaling(reader: GGUFReader, arch: str, tensors: dict, head_dim: int,
+def _rope_scaling(reader: GGUFFile, arch: str, tensors: dict, head_dim: int,
                   theta: float) -> dict[str, Any] | None:
     """HF rope_scaling from ``{arch}.rope.scaling.*`` metadata, or inferred from the
     ``rope_freqs.weight`` tensor that llama.cpp writes for Llama 3.1+ instead of metadata."""
@@ -316,7 +318,7 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
             .transpose(1, 2).reshape(w.shape))
 
 
-def _check_tensors(reader: GGUFReader, config: dict[str, Any]) -> None:
+def _check_tensors(reader: GGUFFile, config: dict[str, Any]) -> None:
     """Fail before loading anything: every tensor must have a known name, a layer index
     inside the model, and a supported type."""
     layers = config["num_hidden_layers"]
@@ -331,9 +333,12 @@ def _check_tensors(reader: GGUFReader, config: dict[str, Any]) -> None:
                                  f"not supported (supported: {', '.join(SUPPORTED_GGUF_TYPES)})")
 
 
-def iter_gguf_tensors(reader: GGUFReader, config: dict[str, Any],
-                      dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_tensors(reader: GGUFFile, config: dict[str, Any],
+                      dtype: torch.dtype = torch.float32,
+                      skip: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every model weight, in file order, as ``dtype``.
+
+    Names in ``skip`` are neither decoded nor yielded (weights the caller keeps quantized).
 
     ``config`` is :func:`gguf_hf_config`'s result (heads drive the q/k un-permutation).
     All names and types are validated before the first tensor is decoded, so a bad file
@@ -346,7 +351,7 @@ def iter_gguf_tensors(reader: GGUFReader, config: dict[str, Any],
              ".self_attn.k_proj.": config["num_key_value_heads"]}
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
-        if name is None:
+        if name is None or name in skip:
             continue
         w = dequantize(t.data, t.tensor_type, _np_shape(t))
         n_head = next((n for key, n in heads.items() if key in name), None)

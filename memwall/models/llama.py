@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from memwall.attention.metadata import AttentionMetadata
-from memwall.attention.paged_torch import paged_attention, write_kv
+from memwall.attention.backend import paged_attention, write_kv
 from memwall.config import ModelArchConfig
 from memwall.layers.norm import RMSNorm
 from memwall.layers.rotary import RotaryEmbedding
@@ -52,7 +52,7 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = RotaryEmbedding.apply(rope, q, k)
-        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+        write_kv(kv_cache[0], kv_cache[1], k, v, meta)
         o = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
 
@@ -110,19 +110,42 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """A tied head reads the embedding table (again after ``to_empty`` unties them)."""
+        if self.config.tie_word_embeddings and type(self.lm_head) is nn.Linear:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden] (logits are taken separately)."""
+        decoder = self._native_decoder(kv_caches) if not meta.prefill_seq_ids else None
+        if decoder is not None:
+            # every sequence adds one token: all layers in one C call (memwall/kernels/cpu)
+            return decoder.step(self.model.embed_tokens(input_ids), positions, meta.slot_mapping,
+                                torch.tensor(meta.seq_lens, dtype=torch.long), meta.block_tables)
         return self.model(input_ids, positions, kv_caches, meta)
+
+    use_native_decode = True
+    """Decode-only steps run memwall/kernels/cpu/decode.c when it can compute this model."""
+
+    def _native_decoder(self, kv_caches: list[KVCache]):
+        if not self.use_native_decode or kv_caches[0][0].device.type != "cpu":
+            return None
+        cached = getattr(self, "_native", None)
+        if cached is None or cached[0] is not kv_caches:
+            from memwall.kernels.cpu.decode import NativeDecoder
+            cached = self._native = (kv_caches, NativeDecoder.build(self, kv_caches))
+        return cached[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [N, vocab]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies checkpoint tensors in by HF name; a missing or misshapen tensor is an error."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     absent: Iterable[str] = ()) -> None:
+        """Copies checkpoint tensors in by HF name; a missing or misshapen tensor is an error,
+        except the names in ``absent`` (weights the loader keeps quantized instead)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -139,17 +162,21 @@ class LlamaForCausalLM(nn.Module):
             param.data.copy_(tensor)
             loaded.add(name)
         tied = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
-        missing = set(params) - loaded - tied
+        missing = set(params) - loaded - tied - set(absent)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
     def fuse_projections(self) -> None:
         """q/k/v and gate/up become one matmul each: fewer, larger kernels per layer, which is
-        what a decode step (one token, bandwidth bound, dispatch heavy) wants."""
+        what a decode step (one token, bandwidth bound, dispatch heavy) wants. Works on float
+        Linears and on quantized ones (memwall/quant joins their packed rows)."""
+        from memwall.quant.transform import concat_quantized
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_proj = _concat_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-            mlp.gate_up_proj = _concat_linears([mlp.gate_proj, mlp.up_proj])
+            attn.qkv_proj = (_concat_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+                             or concat_quantized([attn.q_proj, attn.k_proj, attn.v_proj]))
+            mlp.gate_up_proj = (_concat_linears([mlp.gate_proj, mlp.up_proj])
+                                or concat_quantized([mlp.gate_proj, mlp.up_proj]))
             if attn.qkv_proj is not None:
                 del attn.q_proj, attn.k_proj, attn.v_proj
             if mlp.gate_up_proj is not None:

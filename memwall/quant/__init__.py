@@ -1,8 +1,9 @@
 """Weight-only quantization for CPU: weights stay int4/int8 in memory, matmuls read them as is.
 
     base.py         QuantMethod (per-layer strategy) and QuantLinear (the drop-in module)
-    int4_cpu.py     group-wise int4 planes on torch's tinygemm op (GGUF Q4_0/Q4_1/Q4_K/Q5_K/Q8_0)
-    int8_cpu.py     per-channel int8 on torch's int8 op (--quantization int8, GGUF Q6_K)
+    native.py       our fp32 C kernels, built on first use with the system compiler (optional)
+    int4_cpu.py     NativeQ4 (native), Int4WeightOnly (torch's bf16 tinygemm op, the fallback)
+    int8_cpu.py     NativeQ8 (native), Int8WeightOnly (torch's bf16 int8 op, the fallback)
     gguf_repack.py  raw GGUF blocks -> those layouts, no float copy
     transform.py    quantize_model(model, method, gguf_raw): swap nn.Linear in place
 

@@ -1,8 +1,14 @@
 """Raw GGUF blocks -> the layouts our CPU kernels read, without a float copy of the weight.
 
-Which kernel holds which GGUF type (all group-32 int4 planes unless said otherwise):
+Two backends (``backend=`` "auto" picks native when memwall/quant/native.py could be built):
 
-    type  ggml value                     int4 plane(s): (code - 8) * scale + zero     exact?
+native (fp32, exact): every weight is rebuilt as s * q + c with ggml's own fp32 arithmetic
+    Q4_0 / Q4_1 / Q4_K  -> NativeQ4: 4-bit codes, s and c per 32 values      0.75 B/weight
+    Q5_K / Q8_0         -> NativeQ8: int8 codes, s and c per 32 values       1.25 B/weight
+    Q6_K                -> NativeQ8: int8 codes (q - 32), s per 16 values    1.5  B/weight
+
+torch (torch's bf16 ops; int4 planes are  w = (code - 8) * scale + zero, group 32):
+    type  ggml value                     int4 plane(s)                               exact?
     Q4_0  d * (q - 8)                    code q, scale d, zero 0                      yes*
     Q4_1  d * q + m                      code q, scale d, zero m + 8d                 yes*
     Q4_K  d*sc[j] * q - dmin*mn[j]       code q, scale d*sc, zero 8*d*sc - dmin*mn    yes*
@@ -11,18 +17,13 @@ Which kernel holds which GGUF type (all group-32 int4 planes unless said otherwi
     Q8_0  d * q, q in -128..127          plane hi: code (q >> 4) + 8, scale 16d,      yes*
                                          zero 0; plane lo: code q & 15, scale d, zero 8d
     Q6_K  d*sc[j] * (q - 32), j per 16   per-channel int8 (Int8WeightOnly)            no
-    F32/F16/BF16                         left as float (not returned)
 
-    * up to bf16 rounding of scale and zero (relative 2^-9), because the kernel reads bf16.
-      For Q4_0/Q8_0/Q5_K's hi plane the zero is a power-of-two multiple of the scale, so
-      the weight is exactly the ggml formula with d rounded to bf16.
+    * up to bf16 rounding of scale and zero (relative 2^-9), because the op reads bf16;
+      and the op also takes bf16 activations and rounds its output to bf16.
+    Q6_K's 16-value groups are below the op's minimum group (32), so it is dequantized and
+    requantized per channel.
 
-Q6_K's 16-value groups are smaller than the kernel's minimum group (32), so it is
-dequantized and requantized to per-channel int8; the error this adds is measured in
-tests/quant/test_gguf_repack.py. Two planes cost 1.25 bytes a weight (Q8_0 itself: 1.06)
-and two kernel calls; per-channel int8 would cost 1.0 but is not exact (see the report in
-the benchmark docstring).
-
+F32/F16/BF16 weights are not returned: they load as floats and stay nn.Linear.
 GGUF's quantized blocks run along the input dimension, so permuting whole rows (llama's
 q/k un-permutation) works on the raw bytes before any decoding.
 """
@@ -209,33 +210,63 @@ def use_native(backend: str) -> bool:
 # --------------------------------------------------------------------------- a whole file
 
 def gguf_quantized_linears(reader: Any, config: dict[str, Any], include_lm_head: bool = True,
-                           backend: str = "auto") -> dict[str, QuantWeights]:
-    """``{module name: QuantWeights}`` for every quantized Linear weight of a GGUF file.
+                           backend: str = "auto",
+                           include_embedding: bool = True) -> dict[str, QuantWeights]:
+    """``{module name: QuantWeights}`` for every quantized Linear weight of a GGUF file, and
+    for the token embedding when ``include_embedding`` and a ``QuantEmbedding`` can hold it.
 
     ``config`` is ``gguf_hf_config(reader)``. Names are HF module paths such as
-    ``model.layers.0.self_attn.q_proj``; a tied file's ``token_embd.weight`` also becomes
-    ``lm_head`` (the embedding itself is not touched). Float-typed weights are left out:
-    they load as floats and stay ``nn.Linear``. q/k rows are un-permuted for llama/mistral,
-    as ``iter_gguf_tensors`` does for the float path. ``backend``: see ``repack``.
+    ``model.layers.0.self_attn.q_proj``; a tied file's ``token_embd.weight`` becomes ``lm_head``
+    and, the same object, ``model.embed_tokens`` (one copy of the table serves both). Float-typed
+    weights are left out: they load as floats and stay ``nn.Linear``/``nn.Embedding``. q/k rows
+    are un-permuted for llama/mistral, as ``iter_gguf_tensors`` does for the float path.
+    ``backend``: see ``repack``. Tensors are read and repacked one at a time, so the peak is
+    the result plus one tensor's transients.
     """
-    permuted = config.get("model_type") in ("llama", "mistral")
-    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    from memwall.quant.embedding import QuantEmbedding
+    from memwall.quant.transform import EMBEDDING
+
+    tied = bool(config.get("tie_word_embeddings"))
     out: dict[str, QuantWeights] = {}
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
-        if name == "model.embed_tokens.weight" and config.get("tie_word_embeddings"):
-            name = "lm_head.weight"
-        if name is None or not name.endswith(".weight"):
+        module = _quantized_module(t.name, tied, include_lm_head, include_embedding)
+        if module is None or QType(t.tensor_type) not in REPACKABLE:
             continue
-        module = name.removesuffix(".weight")
-        leaf = module.rsplit(".", 1)[-1]
-        if leaf not in LINEAR_MODULES or (leaf == "lm_head" and not include_lm_head):
-            continue
-        if QType(t.tensor_type) not in REPACKABLE:
-            continue
-        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(int(t.shape[-1]), -1))
-        if permuted and leaf in heads:
-            raw = unpermute_qk(raw, heads[leaf]).contiguous()
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        out[module] = repack(raw, t.tensor_type, shape, backend)
+        weights = repack(_raw_rows(t, module, config), t.tensor_type,
+                         tuple(int(d) for d in reversed(t.shape.tolist())), backend)
+        if module == EMBEDDING and not QuantEmbedding.supports(weights):
+            continue  # stays a float nn.Embedding
+        out[module] = weights
+        if module == "lm_head" and tied and include_embedding and QuantEmbedding.supports(weights):
+            out[EMBEDDING] = weights
     return out
+
+
+def _quantized_module(gguf_name: str, tied: bool, include_lm_head: bool,
+                      include_embedding: bool) -> str | None:
+    """The module a GGUF weight becomes when kept quantized; None when it is not one of those."""
+    name = hf_tensor_name(gguf_name)
+    if name == "model.embed_tokens.weight":
+        if tied:
+            return "lm_head" if include_lm_head else None
+        return "model.embed_tokens" if include_embedding else None
+    if name is None or not name.endswith(".weight"):
+        return None
+    module = name.removesuffix(".weight")
+    leaf = module.rsplit(".", 1)[-1]
+    if leaf not in LINEAR_MODULES or (leaf == "lm_head" and not include_lm_head):
+        return None
+    return module
+
+
+def _raw_rows(t: Any, module: str, config: dict[str, Any]) -> torch.Tensor:
+    """uint8 [rows, row_bytes] of one tensor, q/k rows un-permuted for llama/mistral files."""
+    data = t.data  # a fresh array (gguf_file.py); a numpy view of an mmap (gguf.GGUFReader)
+    if not data.flags.writeable or not data.flags.c_contiguous:
+        data = np.array(data)
+    raw = torch.from_numpy(data.view(np.uint8).reshape(int(t.shape[-1]), -1))
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    leaf = module.rsplit(".", 1)[-1]
+    if config.get("model_type") in ("llama", "mistral") and leaf in heads:
+        raw = unpermute_qk(raw, heads[leaf]).contiguous()
+    return raw

@@ -1,4 +1,5 @@
-"""Group-wise int4 weights for CPU, on torch's tinygemm op.
+"""Group-wise int4 weights for CPU: ``Int4WeightOnly`` on torch's tinygemm op (bf16), and
+``NativeQ4`` on memwall's own fp32 kernel (native.py, used when it could be built).
 
 One "plane" is what ``torch.ops.aten._weight_int4pack_mm_for_cpu`` multiplies:
 

@@ -1,4 +1,6 @@
-"""Per-output-channel int8 weights for CPU, on ``torch.ops.aten._weight_int8pack_mm``.
+"""Int8 weights for CPU: ``Int8WeightOnly`` (per output channel) on
+``torch.ops.aten._weight_int8pack_mm`` (bf16), and ``NativeQ8`` (a scale and offset per group)
+on memwall's own fp32 kernel (native.py, used when it could be built).
 
     w[n, k] = q[n, k] * scale[n]          q in -127..127
 

@@ -274,8 +274,16 @@ def _cpu_key() -> str:
     return "\n".join([platform.machine(), *lines])
 
 
+def _sources() -> str:
+    """This file's kernels, then the fused decode step that calls them
+    (memwall/kernels/cpu/decode.c): one library, one build."""
+    decode_c = Path(__file__).resolve().parent.parent / "kernels" / "cpu" / "decode.c"
+    return _SOURCE + "\n" + decode_c.read_text()
+
+
 def _build(compiler: str) -> Path:
-    key = hashlib.sha256("\0".join([_SOURCE, compiler, *_FLAGS, _cpu_key()]).encode()).hexdigest()[:16]
+    source = _sources()
+    key = hashlib.sha256("\0".join([source, compiler, *_FLAGS, _cpu_key()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "memwall" / "native"
     lib = cache / f"quant-{key}.so"
     if lib.exists():
@@ -283,7 +291,7 @@ def _build(compiler: str) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         src, out = Path(tmp) / "quant.c", Path(tmp) / "quant.so"
-        src.write_text(_SOURCE)
+        src.write_text(source)
         subprocess.run([compiler, *_FLAGS, str(src), "-o", str(out)], check=True,
                        capture_output=True, timeout=120)
         os.replace(out, lib)  # atomic: a concurrent builder never sees half a file
@@ -311,7 +319,31 @@ def _lib() -> ctypes.CDLL | None:
     lib.q8_dequant.argtypes = [p, p, p, p, i64, i64, i64]
     for f in (lib.q4_gemm, lib.q8_gemm, lib.q4_dequant, lib.q8_dequant):
         f.restype = None
+    f32 = ctypes.c_float
+    lib.mw_paged_decode_attention.argtypes = [p, p, p, p, i64, p, i64, i64, i64, i64, i64, f32, p]
+    lib.mw_paged_decode_attention.restype = None
+    lib.mw_decode_step.argtypes = [p, p, i64, p, p, p, p, i64, p, p]
+    lib.mw_decode_step.restype = ctypes.c_int
+    lib.mw_q4_gemv_i8.argtypes = [p, i64, p, p, p, p, i64]
+    lib.mw_q8_gemv_i8.argtypes = [p, i64, i64, p, p, p, p, i64]
+    lib.mw_q4_gemv_i8.restype = lib.mw_q8_gemv_i8.restype = ctypes.c_int
+    lib.mw_int8_dot_available.restype = ctypes.c_int
+    lib.mw_set_int8_dot.argtypes = [ctypes.c_int]
+    lib.mw_profile.argtypes = [ctypes.c_int, p]
+    lib.mw_profile.restype = None
+    # MEMWALL_INT8_DOT=0 keeps one-token matmuls on the exact fp32 kernels
+    lib.mw_set_int8_dot(int(os.environ.get("MEMWALL_INT8_DOT", "1") != "0"))
     return lib
+
+
+def set_int8_dot(on: bool) -> None:
+    """One-token matmuls with int8-quantized activations (fast, llama.cpp's numerics) or on the
+    exact fp32 kernels. Where the CPU lacks AVX512-VNNI the fp32 kernels always run."""
+    _lib().mw_set_int8_dot(int(on))
+
+
+def int8_dot_available() -> bool:
+    return available() and bool(_lib().mw_int8_dot_available())
 
 
 def available() -> bool:
@@ -326,6 +358,9 @@ def q4_matmul(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, c: torch.Te
     if m > MAX_TOKENS:
         return torch.nn.functional.linear(x, q4_dequantize(codes, s, c, k))
     y = torch.empty(m, n, dtype=torch.float32)
+    if m == 1 and _lib().mw_q4_gemv_i8(x.data_ptr(), k, codes.data_ptr(), s.data_ptr(),
+                                       c.data_ptr(), y.data_ptr(), n):
+        return y
     _lib().q4_gemm(x.data_ptr(), m, k, codes.data_ptr(), s.data_ptr(), c.data_ptr(), y.data_ptr(), n)
     return y
 
@@ -337,6 +372,9 @@ def q8_matmul(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, c: torch.Te
     if m > MAX_TOKENS:
         return torch.nn.functional.linear(x, q8_dequantize(codes, s, c))
     y = torch.empty(m, n, dtype=torch.float32)
+    if m == 1 and _lib().mw_q8_gemv_i8(x.data_ptr(), k, group, codes.data_ptr(), s.data_ptr(),
+                                       c.data_ptr(), y.data_ptr(), n):
+        return y
     _lib().q8_gemm(x.data_ptr(), m, k, group, codes.data_ptr(), s.data_ptr(), c.data_ptr(),
                    y.data_ptr(), n)
     return y

@@ -1,9 +1,11 @@
 """``quantize_model``: swap a built model's ``nn.Linear`` modules for ``QuantLinear``, in place.
 
 The model code stays as it is (gpt-fast's "a feature is a transformation of a plain model").
-Embeddings are never touched: a lookup reads a few rows a step, not the whole table. A tied
-``lm_head`` gets its own quantized copy, since the head is the largest matmul of a decode step
-for small models, while the embedding keeps the float table.
+A tied ``lm_head`` gets a quantized copy of the table, since the head is the largest matmul of
+a decode step for small models. Float embeddings are never quantized (a lookup reads a few rows
+a step, so quantizing saves memory but no time, and would change the model); an embedding that
+a GGUF file already stores quantized becomes a ``QuantEmbedding`` (memwall/quant/embedding.py),
+sharing a tied head's buffers, when ``gguf_raw`` names it ``model.embed_tokens``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from memwall.quant.base import QuantLinear, QuantMethod, QuantWeights
 
 # fused layers (models/llama.py fuse_projections) and the checkpoint layers they join, in row order
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+EMBEDDING = "model.embed_tokens"
 
 
 @dataclass
@@ -28,20 +31,26 @@ class QuantizeReport:
     kept_float: list[str] = field(default_factory=list)
     float_bytes: int = 0  # the replaced weights as they were (a weight tied elsewhere counts too)
     quant_bytes: int = 0  # the QuantLinear buffers that replaced them
+    embedding: str = ""  # the source of a QuantEmbedding, "" when the embedding stayed float
 
     def summary(self) -> str:
         kinds: dict[str, int] = {}
         for source in self.quantized.values():
             kinds[source] = kinds.get(source, 0) + 1
         what = ", ".join(f"{n} x {s}" for s, n in sorted(kinds.items())) or "nothing"
+        embedding = f"; embedding kept as {self.embedding}" if self.embedding else ""
         return (f"quantized {what}; {len(self.kept_float)} Linear(s) kept float; weights "
-                f"{self.float_bytes / 2**20:.1f} MiB -> {self.quant_bytes / 2**20:.1f} MiB")
+                f"{self.float_bytes / 2**20:.1f} MiB -> {self.quant_bytes / 2**20:.1f} MiB"
+                f"{embedding}")
 
 
 def get_quant_method(name: str, group_size: int = 32, backend: str = "auto") -> QuantMethod:
     """``"int8"`` (per-channel) or ``"int4"`` (group-wise). backend "native" (our fp32
     kernels; int4 then needs group_size 32), "torch" (torch's bf16 ops, int4 group_size
     32..256) or "auto" (native when it could be built and fits)."""
+    if name == "fp8":  # the GPU format (memwall/quant/fp8.py); no CPU kernel choice to make
+        from memwall.quant.fp8 import Fp8Linear
+        return Fp8Linear()
     from memwall.quant.gguf_repack import use_native
     if name == "int8":
         from memwall.quant.int8_cpu import Int8WeightOnly, NativeQ8
@@ -53,7 +62,7 @@ def get_quant_method(name: str, group_size: int = 32, backend: str = "auto") -> 
         if backend == "native":
             raise ValueError(f"the native int4 kernel uses groups of 32, not {group_size}")
         return Int4WeightOnly(group_size)
-    raise ValueError(f"unknown quantization {name!r}; use 'int8' or 'int4'")
+    raise ValueError(f"unknown quantization {name!r}; use 'int8', 'int4' or 'fp8'")
 
 
 def quantize_model(model: nn.Module, method: QuantMethod | str | None,
@@ -66,12 +75,19 @@ def quantize_model(model: nn.Module, method: QuantMethod | str | None,
     parts' GGUF weights joined along the output rows, or, when their types cannot be joined
     (e.g. Q4_K q/k with a Q6_K v), a ``ConcatLinear`` of the parts. Any other Linear is
     quantized from its float weight by ``method`` (a QuantMethod, ``"int8"``, ``"int4"``, or
-    None to leave it float); shapes ``method`` cannot hold stay float. Call after loading.
+    None to leave it float); shapes ``method`` cannot hold stay float. ``gguf_raw``'s
+    ``model.embed_tokens`` (see EMBEDDING) replaces the embedding by a ``QuantEmbedding``.
+    Call after loading.
     """
     if isinstance(method, str):
         method = get_quant_method(method)
     gguf_raw = gguf_raw or {}
     report, used = QuantizeReport(), set()
+    if EMBEDDING in gguf_raw:
+        from memwall.quant.embedding import QuantEmbedding
+        embedding = QuantEmbedding(gguf_raw[EMBEDDING])
+        _replace(model, EMBEDDING, embedding)
+        report.embedding, used = embedding.source, {EMBEDDING}
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):
             continue
@@ -149,3 +165,26 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, new)
+
+
+def concat_quantized(parts: list[nn.Module]) -> nn.Module | None:
+    """Quantized Linears with one input joined into one module whose outputs are theirs side by
+    side (fusing q/k/v or gate/up after ``quantize_model``): one kernel call when their method
+    can join the packed rows, else a ``ConcatLinear``. None unless every part is a QuantLinear."""
+    if not all(isinstance(p, QuantLinear) for p in parts):
+        return None
+    weights = [_weights_of(p) for p in parts]
+    biases = [p.bias for p in parts]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b.detach() if b is not None else torch.zeros(p.out_features)
+                          for b, p in zip(biases, parts)])
+    joined = weights[0].method.concat(weights)
+    if joined is not None:
+        return QuantLinear(joined, bias)
+    return ConcatLinear([QuantLinear(w) for w in weights], bias)
+
+
+def _weights_of(layer: QuantLinear) -> QuantWeights:
+    return QuantWeights(layer.method, dict(layer.named_buffers(recurse=False)), layer.out_features,
+                        layer.in_features, layer.source, layer.extra)

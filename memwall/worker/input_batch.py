@@ -34,7 +34,9 @@ class InputBatch:
     prompt_rows: list[PromptLogprobRows]
 
     @classmethod
-    def build(cls, chunks: list[ScheduledChunk], block_size: int) -> "InputBatch":
+    def build(cls, chunks: list[ScheduledChunk], block_size: int,
+              device: torch.device | str = "cpu", backend: str = "torch") -> "InputBatch":
+        """Tensors on ``device``; ``backend`` names the attention backend (memwall/attention/backend.py)."""
         ids: list[int] = []
         positions: list[int] = []
         sample_index: list[int] = []
@@ -57,8 +59,9 @@ class InputBatch:
             logit_index.extend(flat)
             prompt_rows.append(PromptLogprobRows(request_id, rows, targets, top_k))
         attn = AttentionMetadata.build([c.num_tokens for c in chunks], [c.end for c in chunks],
-                                       [c.block_table for c in chunks], block_size)
-        return cls(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+                                       [c.block_table for c in chunks], block_size, device, backend)
+        return cls(torch.tensor(ids, dtype=torch.long, device=device),
+                   torch.tensor(positions, dtype=torch.long, device=device),
                    attn, logit_index, sampling_requests, prompt_rows)
 
 

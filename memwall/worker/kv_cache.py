@@ -74,17 +74,31 @@ def plan_kv_cache(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype,
 
 
 def allocate_kv_cache(arch: ModelArchConfig, plan: KVCachePlan, dtype: torch.dtype,
-                      device: torch.device | str = "cpu",
-                      num_blocks: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                      device: torch.device | str = "cpu", num_blocks: int | None = None,
+                      pin_memory: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One (K, V) pair per layer, each [num_blocks, block_size, kv_heads, head_dim], zeroed.
 
     Zeroed rather than empty: padded decode batches read unused slots (masked out), and masked
     garbage that happens to be NaN would still poison the softmax-weighted sum.
+    ``pin_memory``: page-locked host memory (the swap pool of a GPU engine, so block copies
+    to and from the device can be asynchronous); only with device "cpu".
     """
     count = plan.num_blocks if num_blocks is None else num_blocks
     shape = (count, plan.block_size, arch.num_key_value_heads, arch.head_dim)
-    return [(_zeros(shape, dtype, device), _zeros(shape, dtype, device))
+    make = _pinned_zeros if pin_memory else _zeros
+    return [(make(shape, dtype, device), make(shape, dtype, device))
             for _ in range(arch.num_hidden_layers)]
+
+
+def _pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"pinned memory is host memory; got device {device}")
+    return torch.zeros(shape, dtype=_storage_dtype(dtype), pin_memory=True).view(dtype)
+
+
+def _storage_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Fill as uint8 where a 1-byte float type (fp8) may lack a fill kernel: zero is zero."""
+    return torch.uint8 if torch.empty((), dtype=dtype).element_size() == 1 else dtype
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -95,7 +109,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     then grows in RSS only as blocks are really used.
     """
     if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return torch.zeros(shape, dtype=_storage_dtype(dtype), device=device).view(dtype)
     elem = torch.empty((), dtype=dtype).element_size()
     raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32}[elem])
     return torch.from_numpy(raw).view(dtype)

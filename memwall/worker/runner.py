@@ -1,7 +1,8 @@
 """ModelRunner: SchedulerOutput -> forward pass -> sampler -> RunnerOutput.
 
 It owns the model, the KV cache tensors and the per-request random generators; it knows
-nothing of queues or stop conditions.
+nothing of queues or stop conditions. On a GPU it also owns the decode CUDA graphs
+(memwall/worker/cuda_graphs.py) and a swap pool in pinned host memory.
 """
 
 from __future__ import annotations
@@ -22,22 +23,44 @@ from memwall.worker.kv_cache import KVCachePlan, allocate_kv_cache
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: ModelArchConfig, plan: KVCachePlan,
-                 dtype: torch.dtype, seed: int = 0) -> None:
+                 dtype: torch.dtype, seed: int = 0, device: torch.device | str = "cpu",
+                 backend: str = "torch") -> None:
+        """``dtype``: the KV cache's; ``backend``: the attention backend (torch or triton)."""
         self.model = model
+        self.arch = arch
         self.block_size = plan.block_size
-        self.kv_caches = allocate_kv_cache(arch, plan, dtype)
-        # The secondary pool for swap preemption: host memory (on CPU, simply other tensors).
-        self.swap_caches = (allocate_kv_cache(arch, plan, dtype, "cpu", plan.num_swap_blocks)
+        self.device, self.backend = torch.device(device), backend
+        self.kv_caches = allocate_kv_cache(arch, plan, dtype, self.device)
+        # The secondary pool for swap preemption: host memory (on CPU, simply other tensors;
+        # pinned on a GPU, so block copies run asynchronously on the compute stream).
+        self.swap_caches = (allocate_kv_cache(arch, plan, dtype, "cpu", plan.num_swap_blocks,
+                                              pin_memory=self.device.type == "cuda")
                             if plan.num_swap_blocks else [])
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
-        torch.manual_seed(seed)  # the shared generator used by unseeded requests
+        self.graphs = None  # a CudaGraphRunner once capture_cuda_graphs() ran
+        torch.manual_seed(seed)  # the shared generator used by unseeded requests (every device)
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> list[int]:
+        """Captures the decode forward per batch-size bucket; returns the buckets."""
+        from memwall.worker.cuda_graphs import CudaGraphRunner
+        if self.backend != "triton":
+            raise ValueError("CUDA graphs replay the triton attention backend; this runner uses "
+                             f"{self.backend!r} (run with --enforce-eager)")
+        graphs = CudaGraphRunner(self.model, self.kv_caches, self.arch.num_key_value_heads,
+                                 max_num_seqs, max_model_len, self.block_size, self.device)
+        graphs.capture()
+        self.graphs = graphs
+        return graphs.buckets
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self._apply_transfers(sched.transfers)
-        batch = InputBatch.build(sched.chunks, self.block_size)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        batch = InputBatch.build(sched.chunks, self.block_size, self.device, self.backend)
+        if self.graphs is not None and self.graphs.can_run(batch.attn):
+            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.attn)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
         logits = self.model.compute_logits(hidden[batch.logit_token_index])  # [rows, vocab]
         out = RunnerOutput()
         if batch.sampling_requests:
@@ -45,13 +68,17 @@ class ModelRunner:
         for rows in batch.prompt_rows:
             if not rows.rows:
                 continue
-            lp = compute_logprobs(logits[rows.rows], torch.tensor(rows.targets), rows.top_k)
+            lp = compute_logprobs(logits[rows.rows], torch.tensor(rows.targets, device=logits.device),
+                                  rows.top_k)
             out.prompt_logprobs[rows.request_id] = _logprob_dicts(lp)
         return out
 
     def _apply_transfers(self, transfers: BlockTransfers) -> None:
         """Swap-outs read blocks before swap-ins and copies may overwrite them: order matters."""
         if not transfers:
+            return
+        if self.device.type == "cuda":
+            self._apply_transfers_async(transfers)
             return
         moves = [(self.kv_caches, self.swap_caches, transfers.swap_out),
                  (self.swap_caches, self.kv_caches, transfers.swap_in),
@@ -64,6 +91,23 @@ class ModelRunner:
             for (src_k, src_v), (dst_k, dst_v) in zip(source, target):
                 dst_k[dst] = src_k[src].to(dst_k.device)
                 dst_v[dst] = src_v[src].to(dst_v.device)
+
+    def _apply_transfers_async(self, transfers: BlockTransfers) -> None:
+        """GPU: one asynchronous copy per block and layer, queued on the compute stream.
+
+        A block is contiguous in both pools ([block_size, kv_heads, head_dim]) and the swap pool
+        is pinned, so every copy is a DMA that the host does not wait for. Stream order keeps it
+        correct: a swapped-out block is read before any later kernel overwrites it, and a
+        swap-in lands before the forward pass that reads it.
+        """
+        moves = [(self.kv_caches, self.swap_caches, transfers.swap_out),
+                 (self.swap_caches, self.kv_caches, transfers.swap_in),
+                 (self.kv_caches, self.kv_caches, transfers.copies)]
+        for source, target, pairs in moves:
+            for (src_k, src_v), (dst_k, dst_v) in zip(source, target):
+                for a, b in pairs:
+                    dst_k[b].copy_(src_k[a], non_blocking=True)
+                    dst_v[b].copy_(src_v[a], non_blocking=True)
 
     def _sample(self, logits: torch.Tensor, batch: InputBatch, out: RunnerOutput) -> None:
         requests = batch.sampling_requests
@@ -90,7 +134,8 @@ class ModelRunner:
             return None
         gen = self._generators.get(request.request_id)
         if gen is None:
-            gen = self._generators[request.request_id] = torch.Generator().manual_seed(seed)
+            gen = torch.Generator(device=self.device).manual_seed(seed)  # draws where the logits are
+            self._generators[request.request_id] = gen
         return gen
 
     def release(self, request_id: str) -> None:

@@ -95,8 +95,8 @@ def test_gguf_weights_for_unknown_layers_are_an_error(tiny):
 
 @pytest.fixture(scope="module")
 def smollm(gguf_path):
-    ref = load_model(str(gguf_path))
-    quant = load_model(str(gguf_path))
+    ref = load_model(str(gguf_path), quantization="none")
+    quant = load_model(str(gguf_path), quantization="none")
     reader = open_gguf(gguf_path)
     report = quantize_model(quant.model, None, gguf_quantized_linears(reader, gguf_hf_config(reader)))
     return ref, quant, report
@@ -136,3 +136,20 @@ def test_smollm2_gguf_quantized_agrees_with_float(smollm):
         if native.available():
             assert greedy(quant.model, quant.arch, ids, 16) == tokens
     assert agree / total >= 0.9
+
+
+def test_load_model_keeps_gguf_weights_quantized(smollm, gguf_path):
+    """The loader's default path equals quantize_model on a float load, module for module,
+    and gives the same logits."""
+    _, quant, _ = smollm
+    loaded = load_model(str(gguf_path))  # quantization="auto"
+    mods = dict(quant.model.named_modules())
+    for name, module in loaded.model.named_modules():
+        if isinstance(module, QuantLinear):
+            other = mods[name]
+            assert isinstance(other, QuantLinear) and other.source == module.source
+            for (bname, buf), (_, obuf) in zip(module.named_buffers(), other.named_buffers()):
+                assert torch.equal(buf, obuf), (name, bname)
+    assert not any(type(m) is nn.Linear for m in loaded.model.modules())
+    ids = _chat(loaded, PROMPTS[0])
+    assert greedy(loaded.model, loaded.arch, ids, 8) == greedy(quant.model, quant.arch, ids, 8)

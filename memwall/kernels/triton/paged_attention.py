@@ -236,8 +236,12 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DYNAMIC_SPLIT: tl.constexpr,
 ):
-    """Grid (decodes, kv_heads, splits). Rows are the group's query heads, padded to BLOCK_M."""
+    """Grid (decodes, kv_heads, splits). Rows are the group's query heads, padded to BLOCK_M.
+
+    ``split_len`` keys per split, or with DYNAMIC_SPLIT each sequence's own seq_len cut into
+    NUM_SPLITS tile-aligned ranges (nothing sized on the host: what a CUDA graph replays)."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq = tl.load(seqs_ptr + b)
     token = tl.load(query_start_ptr + seq).to(tl.int64)
@@ -250,6 +254,8 @@ def _decode_kernel(
     q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=io_mask, other=0.0)  # [BLOCK_M, D]
 
+    if DYNAMIC_SPLIT:
+        split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
     lo = split * split_len
     hi = tl.minimum(seq_len, lo + split_len)
     q_pos = tl.full([BLOCK_M], 0, dtype=tl.int32) + seq_len - 1  # the new token sees every key
@@ -308,11 +314,14 @@ def decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, block_tables: torch.Tensor, query_start: torch.Tensor,
                      seq_lens: torch.Tensor, decode_seqs: torch.Tensor, max_seq_len: int,
                      scale: float, *, num_splits: int | None = None, tile_n: int = TILE_N,
-                     num_warps: int = 4, num_stages: int = 2) -> None:
+                     num_warps: int = 4, num_stages: int = 2, dynamic_split: bool = False) -> None:
     """Attention of the one-token sequences ``decode_seqs`` [B] int32 over their whole cache.
 
     Shapes as ``prefill_attention``; ``max_seq_len`` bounds seq_lens[decode_seqs] (it sizes
     the splits). ``num_splits`` None picks one from the device (``decode_splits``).
+    ``dynamic_split``: the kernel sizes each sequence's splits from its own length on the
+    device, so the launch depends on no per-step host value (CUDA-graph safe; memwall/worker/
+    cuda_graphs.py passes max_seq_len = the context window and a fixed ``num_splits``).
     """
     require_triton()
     heads, group, head_dim = _check_attention(q, out, k_cache, v_cache, block_tables)
@@ -323,7 +332,8 @@ def decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
     if num_splits is None:
         num_splits = decode_splits(num_decodes, heads // group, max_seq_len, q.device, tile_n)
     split_len = math.ceil(math.ceil(max_seq_len / num_splits) / tile_n) * tile_n
-    num_splits = max(1, math.ceil(max_seq_len / split_len))  # no split starts past max_seq_len
+    if not dynamic_split:  # no split starts past max_seq_len
+        num_splits = max(1, math.ceil(max_seq_len / split_len))
     head_dim_p2 = _next_pow2(head_dim)
     part_acc = part_ml = out  # unused with one split
     if num_splits > 1:
@@ -336,7 +346,7 @@ def decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         scale * LOG2_E, NUM_HEADS=heads, GROUP=group, BLOCK_M=max(16, _next_pow2(group)),
         NUM_SPLITS=num_splits, BLOCK_SIZE=k_cache.shape[1], TILE_N=tile_n, HEAD_DIM=head_dim,
-        HEAD_DIM_P2=head_dim_p2, DOT_PRECISION=_dot_precision(q),
+        HEAD_DIM_P2=head_dim_p2, DOT_PRECISION=_dot_precision(q), DYNAMIC_SPLIT=dynamic_split,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

@@ -76,10 +76,14 @@ def test_disconnect_mid_stream_frees_the_kv_cache(server):
 def test_disconnect_of_a_non_streaming_request_aborts_it(server):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 450,
             "ignore_eos": True, "n": 4}
-    with server.client(timeout=0.3) as http:
+    aborted_before = server.metric("memwall:request_success_total", 'finished_reason="abort"') or 0
+    # 450 engine steps take far longer than 50 ms (each step is ~0.2 ms of Python at least)
+    with server.client(timeout=0.05) as http:
         with pytest.raises(httpx.TimeoutException):
             http.post("/v1/chat/completions", json=body)
     server.wait_idle(timeout=5)
+    assert server.metric("memwall:kv_cache_usage_perc") == 0.0
+    assert server.metric("memwall:request_success_total", 'finished_reason="abort"') > aborted_before
 
 
 def test_first_token_is_streamed_before_the_rest_is_generated(server):

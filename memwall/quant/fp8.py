@@ -1,0 +1,96 @@
+"""FP8 (E4M3) weights with one scale per output channel, for the GPU backend.
+
+    w[n, k] ~= q[n, k] * scale[n]        q: torch.float8_e4m3fn, |q| <= 448
+
+On a CUDA device with FP8 tensor cores (compute capability >= 8.9), ``apply`` quantizes the
+activations too, one scale per token computed on the fly ("dynamic per-token"), and multiplies
+on ``torch._scaled_mm`` with row-wise scales:
+
+    y[t, n] = sum_k xq[t, k] * q[n, k] * x_scale[t] * scale[n]
+
+Everywhere else (the CPU, older GPUs) it widens the weight to the activation dtype and calls
+F.linear: slow, but the same stored numbers, which is how the CPU tests check the format.
+The lm_head and embeddings stay in the compute dtype (``quantize_model(..., include_lm_head=
+False)`` at the call site): the head's error lands directly on the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from memwall.quant.base import QuantLinear, QuantMethod, QuantWeights
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448.0
+_ALIGN = 16  # _scaled_mm wants both matrix dims of the weight to be multiples of 16
+_MIN_SCALE = 1e-12  # keeps an all-zero row or token from dividing by zero
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row FP8: x [R, K] -> (q float8_e4m3fn [R, K], scale float32 [R]).
+
+    scale = amax(|row|) / 448, so every value lands in range; the rounding error of an element
+    is at most half an E4M3 step at its magnitude (relative 2^-4 for normal numbers).
+    """
+    x = x.float()
+    scale = (x.abs().amax(dim=1) / FP8_MAX).clamp(min=_MIN_SCALE)  # [R]
+    q = (x / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)  # [R, K]
+    return q, scale
+
+
+def dequantize_fp8_rows(q: torch.Tensor, scale: torch.Tensor,
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of ``quantize_fp8_rows``: [R, K] in ``dtype``."""
+    return (q.float() * scale.float()[:, None]).to(dtype)
+
+
+def scaled_mm_supported(device: torch.device) -> bool:
+    """True where torch._scaled_mm has FP8 kernels: CUDA devices of compute capability >= 8.9."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class Fp8Linear(QuantMethod):
+    """E4M3 weights, a float32 scale per output channel; activations quantized per token."""
+
+    name = "fp8"
+
+    def supports(self, out_features: int, in_features: int) -> bool:
+        return out_features % _ALIGN == 0 and in_features % _ALIGN == 0
+
+    def create_weights(self, weight: torch.Tensor) -> QuantWeights:
+        n, k = weight.shape
+        if not self.supports(n, k):
+            raise ValueError(f"fp8: a {n}x{k} weight cannot be held; both dims must be multiples "
+                             f"of {_ALIGN} (torch._scaled_mm's requirement)")
+        q, scale = quantize_fp8_rows(weight)
+        return QuantWeights(self, {"qweight": q, "wscale": scale}, out_features=n, in_features=k,
+                            source="fp8 e4m3 per-channel")
+
+    def concat(self, parts: list[QuantWeights]) -> QuantWeights | None:
+        if any(not isinstance(p.method, Fp8Linear) or p.in_features != parts[0].in_features
+               for p in parts):
+            return None
+        tensors = {name: torch.cat([p.tensors[name] for p in parts]) for name in ("qweight", "wscale")}
+        return QuantWeights(self, tensors, sum(p.out_features for p in parts), parts[0].in_features,
+                            parts[0].source)
+
+    def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        if scaled_mm_supported(x.device):
+            return fp8_scaled_mm(x, layer.qweight, layer.wscale)
+        w = dequantize_fp8_rows(layer.qweight, layer.wscale, x.dtype)  # [out, in]
+        return F.linear(x, w)
+
+
+def fp8_scaled_mm(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor) -> torch.Tensor:
+    """x [T, K] (bf16/fp16/fp32 on CUDA) @ the FP8 weight [N, K] -> [T, N] in x.dtype.
+
+    Row-wise scaling (a scale per token of x, per output channel of w) needs bf16 output in
+    torch's kernel, so the result is produced in bf16 and cast back.
+    """
+    xq, x_scale = quantize_fp8_rows(x)  # [T, K] fp8, [T] float32
+    y = torch._scaled_mm(xq, qweight.t(), scale_a=x_scale[:, None], scale_b=wscale[None, :],
+                         out_dtype=torch.bfloat16)  # [T, N]
+    return y.to(x.dtype)

@@ -1,0 +1,145 @@
+"""The fused C decode step (memwall/kernels/cpu/decode.c) against the torch path it replaces."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from memwall.attention.metadata import AttentionMetadata
+from memwall.kernels.cpu.decode import NativeDecoder, paged_decode_attention
+from memwall.loader.model_loader import load_model
+from memwall.quant import native, quantize_model
+from memwall.worker.kv_cache import KVCachePlan, allocate_kv_cache
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: native kernels not built")
+BLOCK = 4
+
+
+def _scattered_tables(lengths: list[int], num_blocks: int, seed: int) -> list[list[int]]:
+    """Block tables drawn at random from the pool: sequences interleave, nothing is contiguous."""
+    pool = list(range(num_blocks))
+    random.Random(seed).shuffle(pool)
+    tables = []
+    for n in lengths:
+        need = -(-n // BLOCK)
+        tables.append(pool[:need])
+        pool = pool[need:]
+    return tables
+
+
+def _run_steps(model, arch, prompts: list[list[int]], steps: int, native_decode: bool):
+    """Prefill every prompt (torch path), then `steps` batched greedy decode steps; returns the
+    hidden states of each decode step and the final caches."""
+    model.use_native_decode = native_decode
+    model._native = None
+    total = [len(p) + steps for p in prompts]
+    tables = _scattered_tables(total, sum(-(-n // BLOCK) for n in total) + 3, seed=1)
+    caches = allocate_kv_cache(arch, KVCachePlan(len(tables) and max(max(t) for t in tables) + 1,
+                                                 BLOCK, 0), torch.float32)
+    lens = [len(p) for p in prompts]
+    meta = AttentionMetadata.build(lens, lens, tables, BLOCK)
+    ids = torch.tensor([t for p in prompts for t in p])
+    pos = torch.tensor([i for p in prompts for i in range(len(p))])
+    hidden = model(ids, pos, caches, meta)
+    ends = torch.tensor(meta.query_start[1:]) - 1
+    tokens = model.compute_logits(hidden[ends]).argmax(-1)
+    outs = []
+    for _ in range(steps):
+        meta = AttentionMetadata.build([1] * len(prompts), [n + 1 for n in lens], tables, BLOCK)
+        hidden = model(tokens, torch.tensor(lens), caches, meta)
+        outs.append(hidden.clone())
+        tokens = model.compute_logits(hidden).argmax(-1)
+        lens = [n + 1 for n in lens]
+    return outs, caches
+
+
+def _prompts(vocab: int, lengths=(5, 17, 1 + 2, 9)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("quant", [None, "int8", "int4"])
+def test_native_decode_matches_torch(tiny_model_dir, kind, quant):
+    loaded = load_model(str(tiny_model_dir(kind)))
+    model = loaded.model
+    if quant:
+        model = copy.deepcopy(model)
+        quantize_model(model, quant)
+    prompts = _prompts(loaded.arch.vocab_size)
+    ref, ref_caches = _run_steps(model, loaded.arch, prompts, 6, native_decode=False)
+    got, got_caches = _run_steps(model, loaded.arch, prompts, 6, native_decode=True)
+    assert model._native[1] is not None, "the native decoder did not accept this model"
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    for (rk, rv), (gk, gv) in zip(ref_caches, got_caches):  # same K/V written to the same slots
+        torch.testing.assert_close(gk, rk, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(gv, rv, atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_native_decode_on_the_embedded_gguf(gguf_path):
+    loaded = load_model(str(gguf_path))  # Q4_1 + Q8_0 head kept quantized
+    prompts = _prompts(loaded.arch.vocab_size, (12, 30, 7))
+    ref, _ = _run_steps(loaded.model, loaded.arch, prompts, 8, native_decode=False)
+    got, _ = _run_steps(loaded.model, loaded.arch, prompts, 8, native_decode=True)
+    assert loaded.model._native[1] is not None
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=2e-4)
+
+
+def test_paged_decode_attention_reads_blocks_in_place():
+    """Against softmax attention over each sequence's gathered keys (GQA 6 heads on 2)."""
+    g = torch.Generator().manual_seed(3)
+    lengths, heads, kv_heads, dim = [1, 7, 13, 4], 6, 2, 16
+    tables = _scattered_tables(lengths, 16, seed=5)
+    width = max(len(t) for t in tables)
+    k_cache = torch.randn(16, BLOCK, kv_heads, dim, generator=g)
+    v_cache = torch.randn(16, BLOCK, kv_heads, dim, generator=g)
+    q = torch.randn(len(lengths), heads, dim, generator=g)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    out = paged_decode_attention(q, k_cache, v_cache, bt, torch.tensor(lengths), 0.25)
+    for b, (n, table) in enumerate(zip(lengths, tables)):
+        k = k_cache[table].flatten(0, 1)[:n].repeat_interleave(heads // kv_heads, dim=1)
+        v = v_cache[table].flatten(0, 1)[:n].repeat_interleave(heads // kv_heads, dim=1)
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[b], k) * 0.25, dim=-1)
+        torch.testing.assert_close(out[b], torch.einsum("ht,thd->hd", p, v), atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_models_fall_back(tiny_model_dir):
+    loaded = load_model(str(tiny_model_dir("llama")), dtype="bfloat16")
+    caches = allocate_kv_cache(loaded.arch, KVCachePlan(4, BLOCK, 0), torch.bfloat16)
+    assert NativeDecoder.build(loaded.model, caches) is None
+
+
+def test_mixed_step_decode_rows_use_the_native_kernel():
+    """A step with prefill chunks and decodes: the CPU backend's native decode rows equal the
+    torch reference's gathered ones, and the prefill rows are untouched."""
+    from memwall.attention import backend, paged_torch
+
+    g = torch.Generator().manual_seed(7)
+    query_lens, seq_lens = [1, 5, 1, 1], [9, 12, 3, 14]
+    tables = _scattered_tables(seq_lens, 20, seed=2)
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK)
+    k_cache = torch.randn(20, BLOCK, 2, 8, generator=g)
+    v_cache = torch.randn(20, BLOCK, 2, 8, generator=g)
+    q = torch.randn(sum(query_lens), 4, 8, generator=g)
+    calls = []
+    original = backend._native_decode
+
+    def spy(*args):
+        calls.append(1)
+        return original(*args)
+
+    backend._native_decode = spy
+    try:
+        got = backend.paged_attention(q, k_cache, v_cache, meta, 0.3)
+    finally:
+        backend._native_decode = original
+    ref = paged_torch.paged_attention(q, k_cache, v_cache, meta, 0.3)
+    assert calls == [1]
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
