@@ -44,6 +44,8 @@ def cpu_model() -> str:
 def worker_memwall(model: str, threads: int, decode_tokens: int, prompt_tokens: int, extra: dict) -> dict:
     from memwall import LLM, SamplingParams
 
+    extra = dict(extra)
+    batch = extra.pop("batch", None)
     llm = LLM(model, threads=threads, max_model_len=2048, kv_cache_memory=256 << 20,
               prefix_caching=False, **extra)
     engine = llm.engine
@@ -62,7 +64,6 @@ def worker_memwall(model: str, threads: int, decode_tokens: int, prompt_tokens: 
         engine.step()
     decode_s = time.perf_counter() - start
     result = {"prefill_tok_s": prompt_tokens / prefill_s, "decode_tok_s": decode_tokens / decode_s}
-    batch = extra.get("batch")
     if batch:  # throughput: all requests at once, continuous batching
         prompts = _batch_prompts(llm.tokenizer, batch["requests"], batch["prompt_tokens"])
         params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=batch["output_tokens"])

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from memwall.kernels.cpu.threads import release_caller_pool
 from memwall.outputs import RequestOutput
 from memwall.sampling_params import SamplingParams
 
@@ -167,6 +168,8 @@ class AsyncLLMEngine:
     def start(self) -> None:
         if self._thread is not None:
             return
+        # the engine thread's OpenMP pool must be the only one (memwall/kernels/cpu/threads.py)
+        release_caller_pool()
         self._thread = threading.Thread(target=self._run, name="memwall-engine", daemon=True)
         self._thread.start()
 

@@ -92,8 +92,10 @@ void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const f
         const float* sr = s + n * nb;
         const float* cr = c + n * nb;
 #if defined(__AVX512F__)
-        __m512 acc[MAXM][2];  /* 16 lanes: a 32-value block is two vectors */
-        for (int64_t m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+        /* one accumulator a token: 16 of them and the weights fit the 32 vector registers
+           (two a token spilled at M = 16); the M chains give enough independent FMAs */
+        __m512 acc[MAXM];
+        for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             __m128i raw = _mm_loadu_si128((const __m128i*)(qr + b * 16));
             __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(15));
@@ -105,11 +107,11 @@ void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const f
             w1 = _mm512_add_ps(_mm512_mul_ps(w1, vs), vc);
             for (int64_t m = 0; m < M; m++) {
                 const float* xb = x + m * K + b * 32;
-                acc[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[m][0]);
-                acc[m][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), acc[m][1]);
+                acc[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16),
+                                         _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[m]));
             }
         }
-        for (int64_t m = 0; m < M; m++) y[m * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = _mm512_reduce_add_ps(acc[m]);
 #elif defined(HAVE_AVX2)
         /* 4 accumulators a row: one FMA chain per 8-value slice, so a single token is not
            held up by FMA latency */
@@ -324,6 +326,9 @@ def _lib() -> ctypes.CDLL | None:
     lib.mw_paged_decode_attention.restype = None
     lib.mw_decode_step.argtypes = [p, p, i64, p, p, p, p, i64, p, p]
     lib.mw_decode_step.restype = ctypes.c_int
+    lib.mw_q4_gemm_blocked.argtypes = [p, i64, i64, p, p, p, p, i64]
+    lib.mw_q8_gemm_blocked.argtypes = [p, i64, i64, i64, p, p, p, p, i64]
+    lib.mw_q4_gemm_blocked.restype = lib.mw_q8_gemm_blocked.restype = None
     lib.mw_q4_gemv_i8.argtypes = [p, i64, p, p, p, p, i64]
     lib.mw_q8_gemv_i8.argtypes = [p, i64, i64, p, p, p, p, i64]
     lib.mw_q4_gemv_i8.restype = lib.mw_q8_gemv_i8.restype = ctypes.c_int
@@ -361,6 +366,10 @@ def q4_matmul(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, c: torch.Te
     if m == 1 and _lib().mw_q4_gemv_i8(x.data_ptr(), k, codes.data_ptr(), s.data_ptr(),
                                        c.data_ptr(), y.data_ptr(), n):
         return y
+    if m > 1:
+        _lib().mw_q4_gemm_blocked(x.data_ptr(), m, k, codes.data_ptr(), s.data_ptr(),
+                                  c.data_ptr(), y.data_ptr(), n)
+        return y
     _lib().q4_gemm(x.data_ptr(), m, k, codes.data_ptr(), s.data_ptr(), c.data_ptr(), y.data_ptr(), n)
     return y
 
@@ -374,6 +383,10 @@ def q8_matmul(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, c: torch.Te
     y = torch.empty(m, n, dtype=torch.float32)
     if m == 1 and _lib().mw_q8_gemv_i8(x.data_ptr(), k, group, codes.data_ptr(), s.data_ptr(),
                                        c.data_ptr(), y.data_ptr(), n):
+        return y
+    if m > 1:
+        _lib().mw_q8_gemm_blocked(x.data_ptr(), m, k, group, codes.data_ptr(), s.data_ptr(),
+                                  c.data_ptr(), y.data_ptr(), n)
         return y
     _lib().q8_gemm(x.data_ptr(), m, k, group, codes.data_ptr(), s.data_ptr(), c.data_ptr(),
                    y.data_ptr(), n)

@@ -21,6 +21,7 @@
  * gathered or copied: attention reads the blocks where they are.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -326,6 +327,105 @@ int mw_q8_gemv_i8(const float* x, int64_t K, int64_t G, const int8_t* codes, con
 #endif
 }
 
+/* ------------------------------------------------------------------ small batches
+ *
+ * 2..16 tokens (batched decode, the LM head of a batch) on the fp32 kernels' arithmetic
+ * (w = s * q + c, exact), blocked along K so that the tokens' slice of x stays in L1 while
+ * every row streams past it: for the down projection (K = 1536) the 16 rows of x are 96 KB,
+ * and re-reading them from L2 for each weight row made it as slow as gate_up at twice the
+ * weights. Each thread keeps the same output rows for every K block (static schedule), so
+ * the partial sums it adds into y are its own.
+ */
+#define MW_L1_X_BYTES (40 * 1024)
+
+static int64_t k_block(int64_t M, int64_t K, int64_t align) {
+    int64_t kc = MW_L1_X_BYTES / (4 * M);
+    kc = kc / align * align;
+    if (kc < align) kc = align;
+    return kc < K ? kc : K;
+}
+
+void mw_q4_gemm_blocked(const float* x, int64_t M, int64_t K, const uint8_t* codes,
+                        const float* s, const float* c, float* y, int64_t N) {
+    const int64_t nb = K / 32, kc = k_block(M, K, 32);
+    #pragma omp parallel
+    for (int64_t k0 = 0; k0 < K; k0 += kc) {
+        const int64_t b0 = k0 / 32, b1 = (k0 + kc < K ? k0 + kc : K) / 32;
+        #pragma omp for schedule(static) nowait
+        for (int64_t n = 0; n < N; n++) {
+            const uint8_t* qr = codes + n * (K / 2);
+            const float* sr = s + n * nb;
+            const float* cr = c + n * nb;
+            float part[MW_MAX_ROWS];
+#if defined(__AVX512F__)
+            __m512 acc[MW_MAX_ROWS];
+            for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+            for (int64_t b = b0; b < b1; b++) {
+                __m128i raw = _mm_loadu_si128((const __m128i*)(qr + b * 16));
+                __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(15));
+                __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15));
+                __m512 vs = _mm512_set1_ps(sr[b]), vc = _mm512_set1_ps(cr[b]);
+                __m512 w0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), vs), vc);
+                __m512 w1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), vs), vc);
+                for (int64_t m = 0; m < M; m++) {
+                    const float* xb = x + m * K + b * 32;
+                    acc[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16),
+                                             _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[m]));
+                }
+            }
+            for (int64_t m = 0; m < M; m++) part[m] = _mm512_reduce_add_ps(acc[m]);
+#else
+            for (int64_t m = 0; m < M; m++) part[m] = 0.f;
+            for (int64_t b = b0; b < b1; b++)
+                for (int j = 0; j < 16; j++) {
+                    const float w0 = (float)(qr[b * 16 + j] & 15) * sr[b] + cr[b];
+                    const float w1 = (float)(qr[b * 16 + j] >> 4) * sr[b] + cr[b];
+                    for (int64_t m = 0; m < M; m++)
+                        part[m] += w0 * x[m * K + b * 32 + j] + w1 * x[m * K + b * 32 + 16 + j];
+                }
+#endif
+            for (int64_t m = 0; m < M; m++) y[m * N + n] = (k0 == 0 ? 0.f : y[m * N + n]) + part[m];
+        }
+    }
+}
+
+void mw_q8_gemm_blocked(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
+                        const float* s, const float* c, float* y, int64_t N) {
+    const int64_t ng = K / G, kc = k_block(M, K, G);
+    #pragma omp parallel
+    for (int64_t k0 = 0; k0 < K; k0 += kc) {
+        const int64_t g0 = k0 / G, g1 = (k0 + kc < K ? k0 + kc : K) / G;
+        #pragma omp for schedule(static) nowait
+        for (int64_t n = 0; n < N; n++) {
+            const int8_t* qr = codes + n * K;
+            const float* sr = s + n * ng;
+            const float* cr = c + n * ng;
+            float part[MW_MAX_ROWS];
+#if defined(__AVX512F__)
+            __m512 acc[MW_MAX_ROWS];
+            for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+            for (int64_t g = g0; g < g1; g++) {
+                __m512 vs = _mm512_set1_ps(sr[g]), vc = _mm512_set1_ps(cr[g]);
+                for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+                    __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qr + k))));
+                    w = _mm512_add_ps(_mm512_mul_ps(w, vs), vc);
+                    for (int64_t m = 0; m < M; m++)
+                        acc[m] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * K + k), acc[m]);
+                }
+            }
+            for (int64_t m = 0; m < M; m++) part[m] = _mm512_reduce_add_ps(acc[m]);
+#else
+            for (int64_t m = 0; m < M; m++) part[m] = 0.f;
+            for (int64_t k = g0 * G; k < g1 * G; k++) {
+                const float w = (float)qr[k] * sr[k / G] + cr[k / G];
+                for (int64_t m = 0; m < M; m++) part[m] += w * x[m * K + k];
+            }
+#endif
+            for (int64_t m = 0; m < M; m++) y[m * N + n] = (k0 == 0 ? 0.f : y[m * N + n]) + part[m];
+        }
+    }
+}
+
 /* ------------------------------------------------------------------ projections */
 
 static void f32_gemm(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N,
@@ -354,10 +454,11 @@ static void part_apply(const mw_part* p, const float* x, int64_t M, float* y, in
                 mw_q8_gemv_i8(x + m0 * p->k, p->k, p->group, (const int8_t*)p->w, p->s, p->c, out, p->n))
                 continue;
             if (p->kind == MW_Q4)
-                q4_gemm(x + m0 * p->k, rows, p->k, (const uint8_t*)p->w, p->s, p->c, out, p->n);
+                mw_q4_gemm_blocked(x + m0 * p->k, rows, p->k, (const uint8_t*)p->w, p->s, p->c,
+                                   out, p->n);
             else
-                q8_gemm(x + m0 * p->k, rows, p->k, p->group, (const int8_t*)p->w, p->s, p->c,
-                        out, p->n);
+                mw_q8_gemm_blocked(x + m0 * p->k, rows, p->k, p->group, (const int8_t*)p->w,
+                                   p->s, p->c, out, p->n);
             if (!direct)
                 for (int64_t r = 0; r < rows; r++)
                     memcpy(y + (m0 + r) * ldy, tmp + r * p->n, p->n * sizeof(float));
@@ -385,9 +486,141 @@ static int64_t proj_out(const mw_proj* proj) {
 
 /* ------------------------------------------------------------------ paged attention */
 
+/* exp over n floats in place, and their sum. AVX-512: Cephes' expf polynomial (relative error
+ * ~2e-7, as expf) with the power of two applied by vscalefps; elsewhere libm's expf. */
+#if defined(__AVX512F__)
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)),
+                      _mm512_set1_ps(-87.3365447505531f));
+    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_sub_ps(x, _mm512_mul_ps(fx, _mm512_set1_ps(0.693359375f)));
+    x = _mm512_sub_ps(x, _mm512_mul_ps(fx, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(y, fx);
+}
+#endif
+
+/* v[i] = exp(v[i] - shift); returns the sum */
+static float exp_shift_sum(float* v, int64_t n, float shift) {
+    int64_t i = 0;
+    float sum = 0.f;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps(), sh = _mm512_set1_ps(shift);
+    for (; i + 16 <= n; i += 16) {
+        __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(v + i), sh));
+        _mm512_storeu_ps(v + i, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    if (i < n) {
+        __mmask16 mask = (__mmask16)((1u << (n - i)) - 1);
+        __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, v + i), sh));
+        _mm512_mask_storeu_ps(v + i, mask, e);
+        acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, e));
+        i = n;
+    }
+    sum = _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < n; i++) { v[i] = expf(v[i] - shift); sum += v[i]; }
+    return sum;
+}
+
+#if defined(__AVX512F__)
+/* r[i] = sum of the 16 lanes of v[i]: a transpose-and-add tree, ~3 ops a vector where a
+ * horizontal reduction of each costs ~8 */
+static inline __m512 hsum16(const __m512* v) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  /* per 128-bit lane: [a, b, c, d] partial sums */
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++)  /* across 128-bit lanes */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+#endif
+
+/* Attention of the `group` query heads that share KV head h over tokens t0..t1 of one
+ * sequence: o [group, D] = sum_t exp(s_t - m) v_t, unnormalized, with m [group] the max score
+ * and l [group] the sum of the weights (so ranges can be merged). scores: [group, t1 - t0]. */
+static void attend_range(const float* qh, int64_t group, int64_t D, const float* k_cache,
+                         const float* v_cache, const int64_t* table, int64_t block_size,
+                         int64_t Hkv, int64_t h, int64_t t0, int64_t t1, float scale,
+                         float* scores, float* o, float* m, float* l) {
+    const int64_t n = t1 - t0;
+#define KV_AT(cache, t) ((cache) + ((table[(t) / block_size] * block_size + (t) % block_size) * Hkv + h) * D)
+    int64_t t = t0;
+#if defined(__AVX512F__)
+    if (D % 16 == 0) {  /* 16 keys at a time: 16 partial-sum vectors, one reduction tree */
+        const int64_t nd = D / 16;
+        for (; t + 16 <= t1; t += 16) {
+            const float* kp[16];
+            for (int i = 0; i < 16; i++) kp[i] = KV_AT(k_cache, t + i);
+            for (int64_t j = 0; j < group; j++) {
+                const float* qj = qh + j * D;
+                __m512 acc[16];
+                for (int i = 0; i < 16; i++) {
+                    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qj), _mm512_loadu_ps(kp[i]));
+                    for (int64_t c = 1; c < nd; c++)
+                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * c), _mm512_loadu_ps(kp[i] + 16 * c), a);
+                    acc[i] = a;
+                }
+                _mm512_storeu_ps(scores + j * n + (t - t0), _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
+            }
+        }
+    }
+#endif
+    for (; t < t1; t++) {
+        const float* kp = KV_AT(k_cache, t);
+        for (int64_t j = 0; j < group; j++) scores[j * n + (t - t0)] = dot_f32(qh + j * D, kp, D) * scale;
+    }
+    for (int64_t j = 0; j < group; j++) {
+        float* sj = scores + j * n;
+        float mx = -INFINITY;
+        for (int64_t i = 0; i < n; i++) mx = sj[i] > mx ? sj[i] : mx;
+        m[j] = mx;
+        l[j] = exp_shift_sum(sj, n, mx);
+    }
+    memset(o, 0, sizeof(float) * group * D);
+    t = t0;
+#if defined(__AVX512F__)
+    if (D % 16 == 0 && group * (D / 16) <= 32) {  /* the group's outputs stay in registers */
+        const int64_t nd = D / 16;
+        __m512 acc[32];
+        for (int64_t i = 0; i < group * nd; i++) acc[i] = _mm512_setzero_ps();
+        for (; t < t1; t++) {
+            const float* vp = KV_AT(v_cache, t);
+            for (int64_t c = 0; c < nd; c++) {
+                const __m512 vc = _mm512_loadu_ps(vp + 16 * c);
+                for (int64_t j = 0; j < group; j++)
+                    acc[j * nd + c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[j * n + (t - t0)]), vc, acc[j * nd + c]);
+            }
+        }
+        for (int64_t i = 0; i < group * nd; i++) _mm512_storeu_ps(o + 16 * i, acc[i]);
+    }
+#endif
+    for (; t < t1; t++) {
+        const float* vp = KV_AT(v_cache, t);
+        for (int64_t j = 0; j < group; j++) axpy_f32(scores[j * n + (t - t0)], vp, o + j * D, D);
+    }
+#undef KV_AT
+}
+
 /* One query token per sequence. q: [B, H, D]; out: [B, H, D]; block_tables: [B, table_width];
  * seq_lens: [B] (keys 0..len-1 are attended, including the token just written). The `group`
- * query heads that share a KV head are done together, so each key and value is read once. */
+ * query heads that share a KV head are done together, so each key and value is read once.
+ * Work items are (sequence, KV head, key range): with few sequences (B = 1 has only Hkv
+ * items) long contexts are split into ranges, each thread takes some, and the ranges' partial
+ * softmax sums are merged (flash-decoding's split-K). */
 void mw_paged_decode_attention(const float* q, const float* k_cache, const float* v_cache,
                                const int64_t* block_tables, int64_t table_width,
                                const int64_t* seq_lens, int64_t B, int64_t H, int64_t Hkv,
@@ -395,40 +628,74 @@ void mw_paged_decode_attention(const float* q, const float* k_cache, const float
     const int64_t group = H / Hkv;
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    const int64_t threads = omp_get_max_threads();
+    int64_t splits = (4 * threads + B * Hkv - 1) / (B * Hkv);  /* enough items to balance */
+    const int64_t most = (max_len + 127) / 128;                 /* ranges of >= 128 keys */
+    splits = splits < most ? splits : most;
+    splits = splits < 1 ? 1 : splits;
+    const int64_t items = B * Hkv * splits;
+    /* per item: unnormalized o [group, D], m and l [group] */
+    float* part = splits > 1 ? (float*)malloc(sizeof(float) * items * group * (D + 2)) : NULL;
+    if (splits > 1 && !part) splits = 1;
     #pragma omp parallel
     {
         float* scores = (float*)malloc(sizeof(float) * group * (max_len > 0 ? max_len : 1));
-        #pragma omp for collapse(2) schedule(dynamic, 1)
-        for (int64_t b = 0; b < B; b++) {
-            for (int64_t h = 0; h < Hkv; h++) {
-                const int64_t len = seq_lens[b];
-                const int64_t* table = block_tables + b * table_width;
-                const float* qh = q + (b * H + h * group) * D;
+        float* ml = (float*)malloc(sizeof(float) * 2 * group);
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < B * Hkv * splits; it++) {
+            const int64_t b = it / (Hkv * splits), h = (it / splits) % Hkv, sp = it % splits;
+            const int64_t len = seq_lens[b], chunk = (len + splits - 1) / splits;
+            const int64_t t0 = sp * chunk, t1 = t0 + chunk < len ? t0 + chunk : len;
+            const int64_t* table = block_tables + b * table_width;
+            const float* qh = q + (b * H + h * group) * D;
+            if (splits == 1) {
                 float* oh = out + (b * H + h * group) * D;
-                for (int64_t t = 0; t < len; t++) {
-                    const int64_t slot = table[t / block_size] * block_size + t % block_size;
-                    const float* kp = k_cache + (slot * Hkv + h) * D;
-                    for (int64_t j = 0; j < group; j++)
-                        scores[j * len + t] = dot_f32(qh + j * D, kp, D) * scale;
-                }
+                attend_range(qh, group, D, k_cache, v_cache, table, block_size, Hkv, h, 0, len,
+                             scale, scores, oh, ml, ml + group);
                 for (int64_t j = 0; j < group; j++) {
-                    float* sj = scores + j * len;
-                    float mx = -INFINITY, sum = 0.f;
-                    for (int64_t t = 0; t < len; t++) mx = sj[t] > mx ? sj[t] : mx;
-                    for (int64_t t = 0; t < len; t++) { sj[t] = expf(sj[t] - mx); sum += sj[t]; }
-                    float inv = 1.f / sum;
-                    for (int64_t t = 0; t < len; t++) sj[t] *= inv;
-                    memset(oh + j * D, 0, sizeof(float) * D);
+                    const float inv = 1.f / ml[group + j];
+                    for (int64_t d = 0; d < D; d++) oh[j * D + d] *= inv;
                 }
-                for (int64_t t = 0; t < len; t++) {
-                    const int64_t slot = table[t / block_size] * block_size + t % block_size;
-                    const float* vp = v_cache + (slot * Hkv + h) * D;
-                    for (int64_t j = 0; j < group; j++) axpy_f32(scores[j * len + t], vp, oh + j * D, D);
+            } else {
+                float* o = part + it * group * (D + 2);
+                float* m = o + group * D;
+                if (t0 >= t1) {  /* an empty range (short sequence): contributes nothing */
+                    for (int64_t j = 0; j < group; j++) { m[j] = -INFINITY; m[group + j] = 0.f; }
+                    continue;
                 }
+                attend_range(qh, group, D, k_cache, v_cache, table, block_size, Hkv, h, t0, t1,
+                             scale, scores, o, m, m + group);
             }
         }
         free(scores);
+        free(ml);
+        if (splits > 1) {
+            #pragma omp for schedule(static)
+            for (int64_t bh = 0; bh < B * Hkv; bh++) {
+                const int64_t b = bh / Hkv, h = bh % Hkv;
+                float* oh = out + (b * H + h * group) * D;
+                for (int64_t j = 0; j < group; j++) {
+                    float mx = -INFINITY, total = 0.f;
+                    for (int64_t sp = 0; sp < splits; sp++) {
+                        const float* m = part + (bh * splits + sp) * group * (D + 2) + group * D;
+                        mx = m[j] > mx ? m[j] : mx;
+                    }
+                    memset(oh + j * D, 0, sizeof(float) * D);
+                    for (int64_t sp = 0; sp < splits; sp++) {
+                        const float* o = part + (bh * splits + sp) * group * (D + 2);
+                        const float* m = o + group * D;
+                        if (m[group + j] == 0.f) continue;
+                        const float w = expf(m[j] - mx);
+                        total += w * m[group + j];
+                        axpy_f32(w, o + j * D, oh + j * D, D);
+                    }
+                    const float inv = 1.f / total;
+                    for (int64_t d = 0; d < D; d++) oh[j * D + d] *= inv;
+                }
+            }
+        }
     }
+    free(part);
 }
 
 /* ------------------------------------------------------------------ the whole step */
@@ -485,7 +752,17 @@ static void rope_and_write(const mw_model* m, const mw_layer* L, float* qkv, flo
 static void silu_mul(const float* gate_up, float* act, int64_t B, int64_t inter) {
     for (int64_t b = 0; b < B; b++) {
         const float* g = gate_up + b * 2 * inter;
-        for (int64_t i = 0; i < inter; i++) act[b * inter + i] = g[i] / (1.f + expf(-g[i])) * g[inter + i];
+        float* a = act + b * inter;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        const __m512 one = _mm512_set1_ps(1.f);
+        for (; i + 16 <= inter; i += 16) {
+            __m512 gi = _mm512_loadu_ps(g + i);
+            __m512 sig = _mm512_div_ps(gi, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gi))));
+            _mm512_storeu_ps(a + i, _mm512_mul_ps(sig, _mm512_loadu_ps(g + inter + i)));
+        }
+#endif
+        for (; i < inter; i++) a[i] = g[i] / (1.f + expf(-g[i])) * g[inter + i];
     }
 }
 
