@@ -6,7 +6,9 @@ Two workloads through `memwall serve` (a subprocess per setting, pinned to --thr
 * system: a ~2,000-token shared system prompt followed by each of N distinct questions;
 * chat: multi-turn ShareGPT conversations replayed with growing histories (each turn's prompt
   is the whole conversation so far; turns of one conversation go in order, conversations run
-  side by side), falling back to synthetic turns when the package is missing.
+  side by side), falling back to synthetic turns when the package is missing;
+* assistant: the same conversations after a shared ~1,000-token system prompt, as a chat
+  product or agent sends with every turn.
 Reported per workload: TTFT p50/p90, request throughput, prefix-cache hit rate (from /metrics),
 and the on/off ratios. JSON goes to benchmarks/results/prefix-<time>.json.
 """
@@ -47,8 +49,11 @@ def system_prompt_workload(tok, questions: int, system_tokens: int, seed: int) -
     return convs
 
 
-def chat_workload(tok, conversations: int, turns: int, max_len: int, seed: int) -> list[list[SampleRequest]]:
-    """Each conversation: turn t's prompt is every message up to the t-th user message."""
+def chat_workload(tok, conversations: int, turns: int, max_len: int, seed: int,
+                  system_tokens: int = 0) -> list[list[SampleRequest]]:
+    """Each conversation: turn t's prompt is every message up to the t-th user message, after a
+    system prompt of ``system_tokens`` tokens shared by all conversations (none when 0)."""
+    system = random_prompt(tok, system_tokens, random.Random(seed + 1)) + "\n" if system_tokens else ""
     try:
         records = [r for r in read_records(sharegpt_path()) if len(r.get("conversations") or []) >= 2 * turns]
         random.Random(seed).shuffle(records)
@@ -59,7 +64,7 @@ def chat_workload(tok, conversations: int, turns: int, max_len: int, seed: int) 
                      for _ in range(conversations * 3)]
     convs = []
     for messages in dialogues:
-        conv, history = [], ""
+        conv, history = [], system
         for t in range(turns):
             history += f"\nUser: {messages[2 * t]}\nAssistant:"
             length = len(tok.encode(history))
@@ -110,6 +115,7 @@ def cache_counters(base_url: str) -> dict[str, float]:
 def run_setting(args, caching: bool, workloads: dict) -> dict:
     extra = [] if caching else ["--no-prefix-caching"]
     extra += ["--max-model-len", "4096", "--kv-cache-memory", str(1 << 30)]
+    extra += args.server_args.split()
     port = free_port()
     command = memwall_command(args.model, port, args.threads, max(16, args.concurrency), extra)
     out = {}
@@ -144,13 +150,24 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--assistant-system-tokens", type=int, default=1000,
+                        help="the assistant workload's shared system prompt")
+    parser.add_argument("--server-args", default="",
+                        help="more `memwall serve` flags for both settings, e.g. "
+                             "'--max-num-batched-tokens 512'")
+    parser.add_argument("--workloads", default="system,chat,assistant",
+                        help="which to run, of system, chat, assistant")
     args = parser.parse_args()
     args.model = args.model or str(embedded_gguf())
     tok = GGUFTokenizer(args.model)
-    workloads = {
-        "system": system_prompt_workload(tok, args.questions, args.system_tokens, args.seed),
-        "chat": chat_workload(tok, args.conversations, args.turns, 3000, args.seed),
+    makers = {
+        "system": lambda: system_prompt_workload(tok, args.questions, args.system_tokens, args.seed),
+        "chat": lambda: chat_workload(tok, args.conversations, args.turns, 3000, args.seed),
+        "assistant": lambda: chat_workload(tok, args.conversations, args.turns,
+                                           3000 + args.assistant_system_tokens, args.seed,
+                                           args.assistant_system_tokens),
     }
+    workloads = {name: makers[name]() for name in args.workloads.split(",")}
     results = {"on": run_setting(args, True, workloads), "off": run_setting(args, False, workloads)}
     report = {"cpu": cpu_model(), "threads": args.threads, "concurrency": args.concurrency,
               "model": Path(args.model).name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),

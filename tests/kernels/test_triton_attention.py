@@ -8,25 +8,17 @@ Every scenario draws fresh random data, fills the unused cache blocks with rando
 """
 
 import dataclasses
-import os
 
 import pytest
 import torch
+from triton_support import CUDA, DEVICE, gpu, require_triton
 
-CUDA = torch.cuda.is_available()
-if not CUDA:  # before triton's first import: without a GPU the kernels run in its CPU interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton", reason="the Triton kernels need triton installed")
-if not CUDA and type(triton.language.standard.max).__name__ != "InterpretedFunction":
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run on "
-                "the CPU: set it in the environment or in tests/conftest.py", allow_module_level=True)
+triton = require_triton()
 
 from memwall.attention import paged_torch, triton_backend  # noqa: E402
 from memwall.attention.metadata import AttentionMetadata  # noqa: E402
 from memwall.kernels.triton import paged_attention as pa  # noqa: E402
 
-DEVICE = "cuda" if CUDA else "cpu"
-gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (torch.cuda.is_available() is False)")
 
 MIXED = dict(  # decode, prefill from 0, chunked prefill on a cached prefix, 1-token decode, long chunk
     q_lens=[1, 9, 6, 1, 20],

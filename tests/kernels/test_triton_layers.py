@@ -6,25 +6,17 @@ one half-precision ulp (rtol 1e-3); bfloat16 one ulp (rtol 1.6e-2): the interpre
 float32 -> bfloat16 by truncation, not to nearest as the GPU and torch do (seen with triton 3.9).
 """
 
-import os
 
 import pytest
 import torch
+from triton_support import CUDA, DEVICE, gpu, require_triton
 
-CUDA = torch.cuda.is_available()
-if not CUDA:  # before triton's first import: without a GPU the kernels run in its CPU interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton", reason="the Triton kernels need triton installed")
-if not CUDA and type(triton.language.standard.max).__name__ != "InterpretedFunction":
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run on "
-                "the CPU: set it in the environment or in tests/conftest.py", allow_module_level=True)
+triton = require_triton()
 
 from memwall.kernels.triton import activation, norm, rotary  # noqa: E402
 from memwall.layers.norm import RMSNorm  # noqa: E402
 from memwall.layers.rotary import RotaryEmbedding  # noqa: E402
 
-DEVICE = "cuda" if CUDA else "cpu"
-gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (torch.cuda.is_available() is False)")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: dict(atol=1e-6, rtol=1e-5), torch.float16: dict(atol=1e-3, rtol=1e-3),
        torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}

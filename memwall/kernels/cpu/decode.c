@@ -406,7 +406,19 @@ void mw_q8_gemm_blocked(const float* x, int64_t M, int64_t K, int64_t G, const i
             for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
             for (int64_t g = g0; g < g1; g++) {
                 __m512 vs = _mm512_set1_ps(sr[g]), vc = _mm512_set1_ps(cr[g]);
-                for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+                int64_t k = g * G;
+                /* 32 weights per pass, two chained FMAs per accumulator: acc[] lives in memory
+                   (M is not a constant), so each load/store of it should carry two FMAs */
+                for (; k + 32 <= (g + 1) * G; k += 32) {
+                    __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qr + k))));
+                    __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qr + k + 16))));
+                    w0 = _mm512_add_ps(_mm512_mul_ps(w0, vs), vc);
+                    w1 = _mm512_add_ps(_mm512_mul_ps(w1, vs), vc);
+                    for (int64_t m = 0; m < M; m++)
+                        acc[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + m * K + k + 16),
+                                                 _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * K + k), acc[m]));
+                }
+                for (; k < (g + 1) * G; k += 16) {
                     __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qr + k))));
                     w = _mm512_add_ps(_mm512_mul_ps(w, vs), vc);
                     for (int64_t m = 0; m < M; m++)
@@ -557,14 +569,30 @@ static void attend_range(const float* qh, int64_t group, int64_t D, const float*
                          int64_t Hkv, int64_t h, int64_t t0, int64_t t1, float scale,
                          float* scores, float* o, float* m, float* l) {
     const int64_t n = t1 - t0;
-#define KV_AT(cache, t) ((cache) + ((table[(t) / block_size] * block_size + (t) % block_size) * Hkv + h) * D)
+    /* where each token's K/V row starts, walked block by block: an integer division per
+       token (t / block_size with a run-time block size) cost more than its dot product */
+    int64_t* rows = (int64_t*)(scores + ((group * n + 1) & ~(int64_t)1));  /* caller scratch: n more int64 */
+    {
+        int64_t blk = t0 / block_size, off = t0 % block_size;
+        for (int64_t i = 0; i < n; i++) {
+            rows[i] = ((table[blk] * block_size + off) * Hkv + h) * D;
+            if (++off == block_size) { off = 0; blk++; }
+        }
+    }
+#define KV_AT(cache, t) ((cache) + rows[(t) - t0])
     int64_t t = t0;
 #if defined(__AVX512F__)
     if (D % 16 == 0) {  /* 16 keys at a time: 16 partial-sum vectors, one reduction tree */
         const int64_t nd = D / 16;
+        for (int64_t i = t; i < t + 16 && i < t1; i++)
+            for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char*)(KV_AT(k_cache, i) + d), _MM_HINT_T0);
         for (; t + 16 <= t1; t += 16) {
             const float* kp[16];
             for (int i = 0; i < 16; i++) kp[i] = KV_AT(k_cache, t + i);
+            /* the next 16 keys, a cache line at a time: blocks are scattered across the
+               pool, so the hardware prefetcher rarely sees them coming */
+            for (int64_t i = t + 16; i < t + 32 && i < t1; i++)
+                for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char*)(KV_AT(k_cache, i) + d), _MM_HINT_T0);
             for (int64_t j = 0; j < group; j++) {
                 const float* qj = qh + j * D;
                 __m512 acc[16];
@@ -597,8 +625,12 @@ static void attend_range(const float* qh, int64_t group, int64_t D, const float*
         const int64_t nd = D / 16;
         __m512 acc[32];
         for (int64_t i = 0; i < group * nd; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t i = t; i < t + 8 && i < t1; i++)
+            for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char*)(KV_AT(v_cache, i) + d), _MM_HINT_T0);
         for (; t < t1; t++) {
             const float* vp = KV_AT(v_cache, t);
+            if (t + 8 < t1)
+                for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char*)(KV_AT(v_cache, t + 8) + d), _MM_HINT_T0);
             for (int64_t c = 0; c < nd; c++) {
                 const __m512 vc = _mm512_loadu_ps(vp + 16 * c);
                 for (int64_t j = 0; j < group; j++)
@@ -639,7 +671,9 @@ void mw_paged_decode_attention(const float* q, const float* k_cache, const float
     if (splits > 1 && !part) splits = 1;
     #pragma omp parallel
     {
-        float* scores = (float*)malloc(sizeof(float) * group * (max_len > 0 ? max_len : 1));
+        /* scores [group, len] and the row offsets attend_range keeps after them */
+        const int64_t cap = max_len > 0 ? max_len : 1;
+        float* scores = (float*)malloc(sizeof(float) * group * cap + sizeof(int64_t) * (cap + 1));
         float* ml = (float*)malloc(sizeof(float) * 2 * group);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < B * Hkv * splits; it++) {
