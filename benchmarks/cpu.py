@@ -25,8 +25,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.report import ROOT, write_result  # noqa: E402
+
 LLAMA_BIN = Path(os.environ.get("LLAMA_CPP_BIN", Path.home() / ".cache/memwall-baselines/llama.cpp/bin"))
 
 
@@ -215,9 +218,7 @@ def main() -> None:
               "batch": batch,
               "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": results}
     print_table(report)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"cpu-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps(report, indent=2))
+    out = write_result("cpu", report)
     print(f"\nwrote {out.relative_to(ROOT)}")
 
 

@@ -24,7 +24,6 @@ and keep every config's time in the JSON. Results go to benchmarks/results/gpu-k
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import sys
@@ -43,8 +42,8 @@ from memwall.kernels.triton import TRITON_AVAILABLE  # noqa: E402
 from memwall.kernels.triton import activation, norm, paged_attention as pa, rotary  # noqa: E402
 from memwall.layers.norm import RMSNorm  # noqa: E402
 from memwall.layers.rotary import RotaryEmbedding  # noqa: E402
+from benchmarks.report import write_result  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 HIDDEN, INTER = 4096, 14336
 DTYPE = torch.bfloat16
@@ -245,8 +244,7 @@ def smoke(out: Path | None) -> int:
     gpu_engine.print_engine(result)
     print("\n--smoke: tiny shapes, code paths only; these numbers measure nothing")
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"smoke": True, **result}, indent=2, default=str))
+        write_result("gpu-smoke", {"smoke": True, **result}, out)
         print(f"wrote {out}")
     return 0
 
@@ -274,9 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         result["engine"]["seconds"] = time.perf_counter() - start
         gpu_engine.print_engine(result["engine"])
     device = result["device"].replace(" ", "-")
-    out = args.out or RESULTS_DIR / f"gpu-{device}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str))
+    out = write_result(f"gpu-{device}", result, args.out)
     print(f"\nwrote {out}")
     bad = [r["case"] for r in result["cases"] if not math.isfinite(r["rel_err"]) or r["rel_err"] > 2e-2]
     if bad:

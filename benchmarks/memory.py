@@ -30,7 +30,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `memwall` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.cpu import RESULTS, ROOT, cpu_model  # noqa: E402
+from benchmarks.cpu import cpu_model  # noqa: E402
+from benchmarks.report import ROOT, write_result  # noqa: E402
 from benchmarks.servers import (ManagedServer, embedded_gguf, find_llama_bin_dir,  # noqa: E402
                                 free_port, llama_command, pin_prefix)
 
@@ -154,9 +155,7 @@ def main() -> None:
     if mw.get("peak_rss_mb") and lc.get("peak_rss_mb"):
         report["ratio_peak_rss"] = mw["peak_rss_mb"] / lc["peak_rss_mb"]
     print_table(report)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"memory-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    path = write_result("memory", report)
     print(f"wrote {path.relative_to(ROOT)}")
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import time
@@ -33,6 +32,7 @@ from benchmarks.loadgen import completion_payload  # noqa: E402
 from benchmarks.metrics import percentile, summarize  # noqa: E402
 from benchmarks.servers import ManagedServer, embedded_gguf, free_port, memwall_command  # noqa: E402
 from benchmarks.cpu import cpu_model  # noqa: E402
+from benchmarks.report import write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -183,9 +183,7 @@ def main() -> None:
         on, off = results["on"][name], results["off"][name]
         print(f"{name:<9}{'ratio':>8}  TTFT p50 {off['ttft_p50_ms'] / on['ttft_p50_ms']:.1f}x lower, "
               f"throughput {on['request_throughput'] / off['request_throughput']:.1f}x higher")
-    (ROOT / "benchmarks" / "results").mkdir(parents=True, exist_ok=True)
-    path = ROOT / "benchmarks" / "results" / f"prefix-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(report, indent=2))
+    path = write_result("prefix", report)
     print(f"\nwrote {path.relative_to(ROOT)}")
 
 

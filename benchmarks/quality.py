@@ -41,7 +41,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `memwall` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.cpu import RESULTS, ROOT, cpu_model  # noqa: E402
+from benchmarks.cpu import cpu_model  # noqa: E402
+from benchmarks.report import ROOT, write_result  # noqa: E402
 from benchmarks.servers import embedded_gguf, find_llama_bin_dir, pin_prefix  # noqa: E402
 
 FALLBACK_PROMPTS = [
@@ -260,9 +261,7 @@ def main() -> None:
     if "ppl" in ppl["llama.cpp"]:
         report["perplexity"]["llama_cpp_vs_float_pct"] = 100 * (ppl["llama.cpp"]["ppl"] - ref) / ref
     print_table(report)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"quality-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    path = write_result("quality", report)
     print(f"wrote {path.relative_to(ROOT)}")
 
 

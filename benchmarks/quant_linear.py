@@ -18,7 +18,6 @@ benchmarks/results/quant_linear-<time>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -30,7 +29,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "benchmarks" / "results"
+
+from benchmarks.report import write_result  # noqa: E402
 SHAPES = {"q/o 576x576": (576, 576), "k/v 192x576": (192, 576), "gate/up 1536x576": (1536, 576),
           "down 576x1536": (576, 1536), "head 49152x576": (49152, 576)}
 WORKING_SET = 600e6  # bytes of fp32 weights cycled through per measurement
@@ -104,10 +104,8 @@ def main() -> None:
                 rows.append({"shape": label, "kernel": name, "tokens": m, "us": us,
                              "tok_per_s": m / us * 1e6})
         print_table([r for r in rows if r["shape"] == label], label, args.tokens)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"quant_linear-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({"cpu": cpu_model(), "threads": args.threads, "torch": torch.__version__,
-                                "rows": rows}, indent=1))
+    path = write_result("quant_linear", {"cpu": cpu_model(), "threads": args.threads,
+                                         "torch": torch.__version__, "rows": rows}, indent=1)
     print(f"\ncpu: {cpu_model()}, {args.threads} threads, torch {torch.__version__}; wrote {path}")
 
 

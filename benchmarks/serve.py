@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import platform
@@ -35,8 +34,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `memwall
 import httpx  # noqa: E402
 
 from benchmarks import datasets, loadgen, metrics, servers  # noqa: E402
+from benchmarks.report import ROOT, write_result  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 # ---- arguments ---------------------------------------------------------------------------------
@@ -223,22 +222,8 @@ def settings(args) -> dict:
 def save(args, data: dict) -> None:
     if args.no_save:
         return
-    path = Path(args.result_file) if args.result_file else \
-        RESULTS_DIR / f"serve-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_finite(data), indent=2, default=str) + "\n")
+    path = write_result("serve", data, Path(args.result_file) if args.result_file else None)
     print(f"results written to {path}")
-
-
-def _finite(value):
-    """NaN and inf become null: strict JSON readers refuse them."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
 
 
 def _load_title(args, n: int, concurrency) -> str:
@@ -335,7 +320,7 @@ def run_engine(args, name: str, model: Path, concurrency: int, samples: list, wa
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(["git", "-C", str(RESULTS_DIR.parent), "rev-parse", "HEAD"],
+        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"],
                              capture_output=True, text=True, timeout=10)
         return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):

@@ -1,0 +1,38 @@
+"""Where benchmark results go and how: one JSON file per run in benchmarks/results/, named
+<kind>-<time>.json, with this checkout's absolute paths made relative to it (a result file
+must not name the machine it was written on)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def portable(value: Any) -> Any:
+    """``value`` with every string that names a path inside this checkout made relative to it,
+    and NaN and inf as null (strict JSON readers refuse them)."""
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [portable(v) for v in value]
+    if isinstance(value, Path):
+        value = str(value)
+    if isinstance(value, str):
+        return value.replace(f"{ROOT}/", "")
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def write_result(kind: str, data: dict, path: Path | None = None, indent: int = 2) -> Path:
+    """Writes ``data`` to ``path`` (default benchmarks/results/<kind>-<time>.json); returns it."""
+    path = path or RESULTS / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(portable(data), indent=indent, default=str) + "\n")
+    return path
