@@ -75,6 +75,18 @@ static void q4_gemv4(const float* x, int64_t K, const uint8_t* codes, const floa
 }
 #endif
 
+/* Several tokens go through K in blocks small enough that their slice of x stays in L1
+   while every weight row streams past it: for a down projection (K = 1536) 16 tokens' x is
+   96 KB, and re-reading it from L2 for each row made it as slow as gate_up at twice the
+   weights. Each thread keeps the same output rows for every block (static schedule), so the
+   partial sums it adds into y are its own. Returns values per block, a multiple of align. */
+#define L1_X_BYTES (40 * 1024)
+static int64_t k_block(int64_t M, int64_t K, int64_t align) {
+    int64_t kc = L1_X_BYTES / (4 * M) / align * align;
+    if (kc < align) kc = align;
+    return kc < K ? kc : K;
+}
+
 /* y[m, n] = sum_k x[m, k] * (s[n, k/32] * q[n, k] + c[n, k/32]);  M <= MAXM */
 void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* s,
              const float* c, float* y, int64_t N) {
@@ -86,71 +98,78 @@ void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const f
         return;
     }
 #endif
-    #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t* qr = codes + n * (K / 2);
-        const float* sr = s + n * nb;
-        const float* cr = c + n * nb;
+    const int64_t kb = k_block(M, K, 32) / 32;
+    #pragma omp parallel
+    for (int64_t b0 = 0; b0 < nb; b0 += kb) {
+        const int64_t b1 = b0 + kb < nb ? b0 + kb : nb;
+        #pragma omp for schedule(static) nowait
+        for (int64_t n = 0; n < N; n++) {
+            const uint8_t* qr = codes + n * (K / 2);
+            const float* sr = s + n * nb;
+            const float* cr = c + n * nb;
+#define ADD_Y(m, v) (y[(m) * N + n] = (b0 ? y[(m) * N + n] : 0.f) + (v))
 #if defined(__AVX512F__)
-        /* one accumulator a token: 16 of them and the weights fit the 32 vector registers
-           (two a token spilled at M = 16); the M chains give enough independent FMAs */
-        __m512 acc[MAXM];
-        for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            __m128i raw = _mm_loadu_si128((const __m128i*)(qr + b * 16));
-            __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(15));
-            __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15));
-            __m512 vs = _mm512_set1_ps(sr[b]), vc = _mm512_set1_ps(cr[b]);
-            __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
-            __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
-            w0 = _mm512_add_ps(_mm512_mul_ps(w0, vs), vc);
-            w1 = _mm512_add_ps(_mm512_mul_ps(w1, vs), vc);
-            for (int64_t m = 0; m < M; m++) {
-                const float* xb = x + m * K + b * 32;
-                acc[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16),
-                                         _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[m]));
+            /* one accumulator a token: 16 of them and the weights fit the 32 vector registers
+               (two a token spilled at M = 16); the M chains give enough independent FMAs */
+            __m512 acc[MAXM];
+            for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+            for (int64_t b = b0; b < b1; b++) {
+                __m128i raw = _mm_loadu_si128((const __m128i*)(qr + b * 16));
+                __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(15));
+                __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15));
+                __m512 vs = _mm512_set1_ps(sr[b]), vc = _mm512_set1_ps(cr[b]);
+                __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
+                __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
+                w0 = _mm512_add_ps(_mm512_mul_ps(w0, vs), vc);
+                w1 = _mm512_add_ps(_mm512_mul_ps(w1, vs), vc);
+                for (int64_t m = 0; m < M; m++) {
+                    const float* xb = x + m * K + b * 32;
+                    acc[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16),
+                                             _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[m]));
+                }
             }
-        }
-        for (int64_t m = 0; m < M; m++) y[m * N + n] = _mm512_reduce_add_ps(acc[m]);
+            for (int64_t m = 0; m < M; m++) ADD_Y(m, _mm512_reduce_add_ps(acc[m]));
 #elif defined(HAVE_AVX2)
-        /* 4 accumulators a row: one FMA chain per 8-value slice, so a single token is not
-           held up by FMA latency */
-        __m256 acc[MAXM][4];
-        for (int64_t m = 0; m < M; m++)
-            for (int i = 0; i < 4; i++) acc[m][i] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            __m128i raw = _mm_loadu_si128((const __m128i*)(qr + b * 16));
-            __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(15));
-            __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15));
-            __m256 vs = _mm256_set1_ps(sr[b]), vc = _mm256_set1_ps(cr[b]);
-            __m256 w[4];
-            w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-            w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-            w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-            w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-            for (int i = 0; i < 4; i++) w[i] = _mm256_add_ps(_mm256_mul_ps(w[i], vs), vc);
-            for (int64_t m = 0; m < M; m++) {
-                const float* xb = x + m * K + b * 32;
-                for (int i = 0; i < 4; i++)
-                    acc[m][i] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xb + 8 * i), acc[m][i]);
-            }
-        }
-        for (int64_t m = 0; m < M; m++)
-            y[m * N + n] = hsum(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]),
-                                              _mm256_add_ps(acc[m][2], acc[m][3])));
-#else
-        float acc[MAXM] = {0};
-        for (int64_t b = 0; b < nb; b++) {
-            float w[32];
-            for (int j = 0; j < 16; j++) {
-                w[j] = (float)(qr[b * 16 + j] & 15) * sr[b] + cr[b];
-                w[j + 16] = (float)(qr[b * 16 + j] >> 4) * sr[b] + cr[b];
+            /* 4 accumulators a row: one FMA chain per 8-value slice, so a single token is not
+               held up by FMA latency */
+            __m256 acc[MAXM][4];
+            for (int64_t m = 0; m < M; m++)
+                for (int i = 0; i < 4; i++) acc[m][i] = _mm256_setzero_ps();
+            for (int64_t b = b0; b < b1; b++) {
+                __m128i raw = _mm_loadu_si128((const __m128i*)(qr + b * 16));
+                __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(15));
+                __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15));
+                __m256 vs = _mm256_set1_ps(sr[b]), vc = _mm256_set1_ps(cr[b]);
+                __m256 w[4];
+                w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+                w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+                w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+                w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+                for (int i = 0; i < 4; i++) w[i] = _mm256_add_ps(_mm256_mul_ps(w[i], vs), vc);
+                for (int64_t m = 0; m < M; m++) {
+                    const float* xb = x + m * K + b * 32;
+                    for (int i = 0; i < 4; i++)
+                        acc[m][i] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xb + 8 * i), acc[m][i]);
+                }
             }
             for (int64_t m = 0; m < M; m++)
-                for (int j = 0; j < 32; j++) acc[m] += w[j] * x[m * K + b * 32 + j];
-        }
-        for (int64_t m = 0; m < M; m++) y[m * N + n] = acc[m];
+                ADD_Y(m, hsum(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]),
+                                            _mm256_add_ps(acc[m][2], acc[m][3]))));
+#else
+            float acc[MAXM] = {0};
+            for (int64_t b = b0; b < b1; b++) {
+                float w[32];
+                for (int j = 0; j < 16; j++) {
+                    w[j] = (float)(qr[b * 16 + j] & 15) * sr[b] + cr[b];
+                    w[j + 16] = (float)(qr[b * 16 + j] >> 4) * sr[b] + cr[b];
+                }
+                for (int64_t m = 0; m < M; m++)
+                    for (int j = 0; j < 32; j++) acc[m] += w[j] * x[m * K + b * 32 + j];
+            }
+            for (int64_t m = 0; m < M; m++) ADD_Y(m, acc[m]);
 #endif
+#undef ADD_Y
+        }
     }
 }
 
@@ -191,50 +210,57 @@ void q8_gemm(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* code
         return;
     }
 #endif
-    #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const int8_t* qr = codes + n * K;
-        const float* sr = s + n * ng;
-        const float* cr = c + n * ng;
+    const int64_t kg = k_block(M, K, G) / G;
+    #pragma omp parallel
+    for (int64_t g0 = 0; g0 < ng; g0 += kg) {
+        const int64_t g1 = g0 + kg < ng ? g0 + kg : ng;
+        #pragma omp for schedule(static) nowait
+        for (int64_t n = 0; n < N; n++) {
+            const int8_t* qr = codes + n * K;
+            const float* sr = s + n * ng;
+            const float* cr = c + n * ng;
+#define ADD_Y(m, v) (y[(m) * N + n] = (g0 ? y[(m) * N + n] : 0.f) + (v))
 #if defined(__AVX512F__)
-        __m512 acc[MAXM];
-        for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-        for (int64_t g = 0; g < ng; g++) {
-            __m512 vs = _mm512_set1_ps(sr[g]), vc = _mm512_set1_ps(cr[g]);
-            for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
-                __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qr + k))));
-                w = _mm512_add_ps(_mm512_mul_ps(w, vs), vc);
-                for (int64_t m = 0; m < M; m++)
-                    acc[m] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * K + k), acc[m]);
-            }
-        }
-        for (int64_t m = 0; m < M; m++) y[m * N + n] = _mm512_reduce_add_ps(acc[m]);
-#elif defined(HAVE_AVX2)
-        __m256 acc[MAXM][2];  /* two FMA chains a row (G % 16 == 0) */
-        for (int64_t m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < ng; g++) {
-            __m256 vs = _mm256_set1_ps(sr[g]), vc = _mm256_set1_ps(cr[g]);
-            for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
-                __m128i raw = _mm_loadu_si128((const __m128i*)(qr + k));
-                __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
-                __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)));
-                w0 = _mm256_add_ps(_mm256_mul_ps(w0, vs), vc);
-                w1 = _mm256_add_ps(_mm256_mul_ps(w1, vs), vc);
-                for (int64_t m = 0; m < M; m++) {
-                    acc[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * K + k), acc[m][0]);
-                    acc[m][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * K + k + 8), acc[m][1]);
+            __m512 acc[MAXM];
+            for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+            for (int64_t g = g0; g < g1; g++) {
+                __m512 vs = _mm512_set1_ps(sr[g]), vc = _mm512_set1_ps(cr[g]);
+                for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+                    __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qr + k))));
+                    w = _mm512_add_ps(_mm512_mul_ps(w, vs), vc);
+                    for (int64_t m = 0; m < M; m++)
+                        acc[m] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * K + k), acc[m]);
                 }
             }
-        }
-        for (int64_t m = 0; m < M; m++) y[m * N + n] = hsum(_mm256_add_ps(acc[m][0], acc[m][1]));
+            for (int64_t m = 0; m < M; m++) ADD_Y(m, _mm512_reduce_add_ps(acc[m]));
+#elif defined(HAVE_AVX2)
+            __m256 acc[MAXM][2];  /* two FMA chains a row (G % 16 == 0) */
+            for (int64_t m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+            for (int64_t g = g0; g < g1; g++) {
+                __m256 vs = _mm256_set1_ps(sr[g]), vc = _mm256_set1_ps(cr[g]);
+                for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+                    __m128i raw = _mm_loadu_si128((const __m128i*)(qr + k));
+                    __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+                    __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)));
+                    w0 = _mm256_add_ps(_mm256_mul_ps(w0, vs), vc);
+                    w1 = _mm256_add_ps(_mm256_mul_ps(w1, vs), vc);
+                    for (int64_t m = 0; m < M; m++) {
+                        acc[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * K + k), acc[m][0]);
+                        acc[m][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * K + k + 8), acc[m][1]);
+                    }
+                }
+            }
+            for (int64_t m = 0; m < M; m++) ADD_Y(m, hsum(_mm256_add_ps(acc[m][0], acc[m][1])));
 #else
-        float acc[MAXM] = {0};
-        for (int64_t k = 0; k < K; k++) {
-            float w = (float)qr[k] * sr[k / G] + cr[k / G];
-            for (int64_t m = 0; m < M; m++) acc[m] += w * x[m * K + k];
-        }
-        for (int64_t m = 0; m < M; m++) y[m * N + n] = acc[m];
+            float acc[MAXM] = {0};
+            for (int64_t k = g0 * G; k < g1 * G; k++) {
+                float w = (float)qr[k] * sr[k / G] + cr[k / G];
+                for (int64_t m = 0; m < M; m++) acc[m] += w * x[m * K + k];
+            }
+            for (int64_t m = 0; m < M; m++) ADD_Y(m, acc[m]);
 #endif
+#undef ADD_Y
+        }
     }
 }
 
@@ -326,9 +352,6 @@ def _lib() -> ctypes.CDLL | None:
     lib.mw_paged_decode_attention.restype = None
     lib.mw_decode_step.argtypes = [p, p, i64, p, p, p, p, i64, p, p]
     lib.mw_decode_step.restype = ctypes.c_int
-    lib.mw_q4_gemm_blocked.argtypes = [p, i64, i64, p, p, p, p, i64]
-    lib.mw_q8_gemm_blocked.argtypes = [p, i64, i64, i64, p, p, p, p, i64]
-    lib.mw_q4_gemm_blocked.restype = lib.mw_q8_gemm_blocked.restype = None
     lib.mw_q4_gemv_i8.argtypes = [p, i64, p, p, p, p, i64]
     lib.mw_q8_gemv_i8.argtypes = [p, i64, i64, p, p, p, p, i64]
     lib.mw_q4_gemv_i8.restype = lib.mw_q8_gemv_i8.restype = ctypes.c_int
@@ -366,10 +389,6 @@ def q4_matmul(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, c: torch.Te
     if m == 1 and _lib().mw_q4_gemv_i8(x.data_ptr(), k, codes.data_ptr(), s.data_ptr(),
                                        c.data_ptr(), y.data_ptr(), n):
         return y
-    if m > 1:
-        _lib().mw_q4_gemm_blocked(x.data_ptr(), m, k, codes.data_ptr(), s.data_ptr(),
-                                  c.data_ptr(), y.data_ptr(), n)
-        return y
     _lib().q4_gemm(x.data_ptr(), m, k, codes.data_ptr(), s.data_ptr(), c.data_ptr(), y.data_ptr(), n)
     return y
 
@@ -383,10 +402,6 @@ def q8_matmul(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, c: torch.Te
     y = torch.empty(m, n, dtype=torch.float32)
     if m == 1 and _lib().mw_q8_gemv_i8(x.data_ptr(), k, group, codes.data_ptr(), s.data_ptr(),
                                        c.data_ptr(), y.data_ptr(), n):
-        return y
-    if m > 1:
-        _lib().mw_q8_gemm_blocked(x.data_ptr(), m, k, group, codes.data_ptr(), s.data_ptr(),
-                                  c.data_ptr(), y.data_ptr(), n)
         return y
     _lib().q8_gemm(x.data_ptr(), m, k, group, codes.data_ptr(), s.data_ptr(), c.data_ptr(),
                    y.data_ptr(), n)

@@ -327,117 +327,6 @@ int mw_q8_gemv_i8(const float* x, int64_t K, int64_t G, const int8_t* codes, con
 #endif
 }
 
-/* ------------------------------------------------------------------ small batches
- *
- * 2..16 tokens (batched decode, the LM head of a batch) on the fp32 kernels' arithmetic
- * (w = s * q + c, exact), blocked along K so that the tokens' slice of x stays in L1 while
- * every row streams past it: for the down projection (K = 1536) the 16 rows of x are 96 KB,
- * and re-reading them from L2 for each weight row made it as slow as gate_up at twice the
- * weights. Each thread keeps the same output rows for every K block (static schedule), so
- * the partial sums it adds into y are its own.
- */
-#define MW_L1_X_BYTES (40 * 1024)
-
-static int64_t k_block(int64_t M, int64_t K, int64_t align) {
-    int64_t kc = MW_L1_X_BYTES / (4 * M);
-    kc = kc / align * align;
-    if (kc < align) kc = align;
-    return kc < K ? kc : K;
-}
-
-void mw_q4_gemm_blocked(const float* x, int64_t M, int64_t K, const uint8_t* codes,
-                        const float* s, const float* c, float* y, int64_t N) {
-    const int64_t nb = K / 32, kc = k_block(M, K, 32);
-    #pragma omp parallel
-    for (int64_t k0 = 0; k0 < K; k0 += kc) {
-        const int64_t b0 = k0 / 32, b1 = (k0 + kc < K ? k0 + kc : K) / 32;
-        #pragma omp for schedule(static) nowait
-        for (int64_t n = 0; n < N; n++) {
-            const uint8_t* qr = codes + n * (K / 2);
-            const float* sr = s + n * nb;
-            const float* cr = c + n * nb;
-            float part[MW_MAX_ROWS];
-#if defined(__AVX512F__)
-            __m512 acc[MW_MAX_ROWS];
-            for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-            for (int64_t b = b0; b < b1; b++) {
-                __m128i raw = _mm_loadu_si128((const __m128i*)(qr + b * 16));
-                __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(15));
-                __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15));
-                __m512 vs = _mm512_set1_ps(sr[b]), vc = _mm512_set1_ps(cr[b]);
-                __m512 w0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), vs), vc);
-                __m512 w1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), vs), vc);
-                for (int64_t m = 0; m < M; m++) {
-                    const float* xb = x + m * K + b * 32;
-                    acc[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16),
-                                             _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[m]));
-                }
-            }
-            for (int64_t m = 0; m < M; m++) part[m] = _mm512_reduce_add_ps(acc[m]);
-#else
-            for (int64_t m = 0; m < M; m++) part[m] = 0.f;
-            for (int64_t b = b0; b < b1; b++)
-                for (int j = 0; j < 16; j++) {
-                    const float w0 = (float)(qr[b * 16 + j] & 15) * sr[b] + cr[b];
-                    const float w1 = (float)(qr[b * 16 + j] >> 4) * sr[b] + cr[b];
-                    for (int64_t m = 0; m < M; m++)
-                        part[m] += w0 * x[m * K + b * 32 + j] + w1 * x[m * K + b * 32 + 16 + j];
-                }
-#endif
-            for (int64_t m = 0; m < M; m++) y[m * N + n] = (k0 == 0 ? 0.f : y[m * N + n]) + part[m];
-        }
-    }
-}
-
-void mw_q8_gemm_blocked(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
-                        const float* s, const float* c, float* y, int64_t N) {
-    const int64_t ng = K / G, kc = k_block(M, K, G);
-    #pragma omp parallel
-    for (int64_t k0 = 0; k0 < K; k0 += kc) {
-        const int64_t g0 = k0 / G, g1 = (k0 + kc < K ? k0 + kc : K) / G;
-        #pragma omp for schedule(static) nowait
-        for (int64_t n = 0; n < N; n++) {
-            const int8_t* qr = codes + n * K;
-            const float* sr = s + n * ng;
-            const float* cr = c + n * ng;
-            float part[MW_MAX_ROWS];
-#if defined(__AVX512F__)
-            __m512 acc[MW_MAX_ROWS];
-            for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-            for (int64_t g = g0; g < g1; g++) {
-                __m512 vs = _mm512_set1_ps(sr[g]), vc = _mm512_set1_ps(cr[g]);
-                int64_t k = g * G;
-                /* 32 weights per pass, two chained FMAs per accumulator: acc[] lives in memory
-                   (M is not a constant), so each load/store of it should carry two FMAs */
-                for (; k + 32 <= (g + 1) * G; k += 32) {
-                    __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qr + k))));
-                    __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qr + k + 16))));
-                    w0 = _mm512_add_ps(_mm512_mul_ps(w0, vs), vc);
-                    w1 = _mm512_add_ps(_mm512_mul_ps(w1, vs), vc);
-                    for (int64_t m = 0; m < M; m++)
-                        acc[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + m * K + k + 16),
-                                                 _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * K + k), acc[m]));
-                }
-                for (; k < (g + 1) * G; k += 16) {
-                    __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qr + k))));
-                    w = _mm512_add_ps(_mm512_mul_ps(w, vs), vc);
-                    for (int64_t m = 0; m < M; m++)
-                        acc[m] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * K + k), acc[m]);
-                }
-            }
-            for (int64_t m = 0; m < M; m++) part[m] = _mm512_reduce_add_ps(acc[m]);
-#else
-            for (int64_t m = 0; m < M; m++) part[m] = 0.f;
-            for (int64_t k = g0 * G; k < g1 * G; k++) {
-                const float w = (float)qr[k] * sr[k / G] + cr[k / G];
-                for (int64_t m = 0; m < M; m++) part[m] += w * x[m * K + k];
-            }
-#endif
-            for (int64_t m = 0; m < M; m++) y[m * N + n] = (k0 == 0 ? 0.f : y[m * N + n]) + part[m];
-        }
-    }
-}
-
 /* ------------------------------------------------------------------ projections */
 
 static void f32_gemm(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N,
@@ -466,11 +355,10 @@ static void part_apply(const mw_part* p, const float* x, int64_t M, float* y, in
                 mw_q8_gemv_i8(x + m0 * p->k, p->k, p->group, (const int8_t*)p->w, p->s, p->c, out, p->n))
                 continue;
             if (p->kind == MW_Q4)
-                mw_q4_gemm_blocked(x + m0 * p->k, rows, p->k, (const uint8_t*)p->w, p->s, p->c,
-                                   out, p->n);
+                q4_gemm(x + m0 * p->k, rows, p->k, (const uint8_t*)p->w, p->s, p->c, out, p->n);
             else
-                mw_q8_gemm_blocked(x + m0 * p->k, rows, p->k, p->group, (const int8_t*)p->w,
-                                   p->s, p->c, out, p->n);
+                q8_gemm(x + m0 * p->k, rows, p->k, p->group, (const int8_t*)p->w, p->s, p->c,
+                        out, p->n);
             if (!direct)
                 for (int64_t r = 0; r < rows; r++)
                     memcpy(y + (m0 + r) * ldy, tmp + r * p->n, p->n * sizeof(float));
