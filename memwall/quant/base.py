@@ -66,6 +66,21 @@ class QuantMethod(ABC):
         return f"{type(self).__name__}()"
 
 
+def stack_rows(method: QuantMethod, parts: list[QuantWeights]) -> QuantWeights | None:
+    """``concat`` for layouts that keep one row of every tensor per output feature: the parts'
+    tensors stacked along dim 0. None unless every part is of ``method``'s type with the same
+    input size and tensor shapes past dim 0 (e.g. the same number of scale groups)."""
+    first = parts[0]
+    if any(type(p.method) is not type(method) or p.in_features != first.in_features
+           or p.tensors.keys() != first.tensors.keys()
+           or any(t.shape[1:] != first.tensors[name].shape[1:] for name, t in p.tensors.items())
+           for p in parts):
+        return None
+    tensors = {name: torch.cat([p.tensors[name] for p in parts]) for name in first.tensors}
+    return QuantWeights(method, tensors, sum(p.out_features for p in parts), first.in_features,
+                        " + ".join(sorted({p.source for p in parts})))
+
+
 class QuantLinear(nn.Module):
     """A Linear whose weight stays quantized in memory. ``forward(x [..., in]) -> [..., out]``."""
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memwall.quant.base import QuantLinear, QuantMethod, QuantWeights
+from memwall.quant.base import QuantLinear, QuantMethod, QuantWeights, stack_rows
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448.0
@@ -70,12 +70,7 @@ class Fp8Linear(QuantMethod):
                             source="fp8 e4m3 per-channel")
 
     def concat(self, parts: list[QuantWeights]) -> QuantWeights | None:
-        if any(not isinstance(p.method, Fp8Linear) or p.in_features != parts[0].in_features
-               for p in parts):
-            return None
-        tensors = {name: torch.cat([p.tensors[name] for p in parts]) for name in ("qweight", "wscale")}
-        return QuantWeights(self, tensors, sum(p.out_features for p in parts), parts[0].in_features,
-                            parts[0].source)
+        return stack_rows(self, parts)
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         if scaled_mm_supported(x.device):

@@ -26,7 +26,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from memwall.quant.base import QuantLinear, QuantMethod, QuantWeights
+from memwall.quant.base import QuantLinear, QuantMethod, QuantWeights, stack_rows
 
 GROUP_SIZES = (32, 64, 128, 256)
 # From this many tokens on, dequantize to bf16 and use F.linear (see the module docstring;
@@ -260,11 +260,7 @@ class NativeQ4(QuantMethod):
         return QuantWeights(self, tensors, out_features=q.shape[0], in_features=q.shape[1], source=source)
 
     def concat(self, parts: list[QuantWeights]) -> QuantWeights | None:
-        if any(not isinstance(p.method, NativeQ4) or p.in_features != parts[0].in_features for p in parts):
-            return None
-        tensors = {name: torch.cat([p.tensors[name] for p in parts]) for name in ("codes", "s", "c")}
-        return QuantWeights(self, tensors, sum(p.out_features for p in parts), parts[0].in_features,
-                            " + ".join(sorted({p.source for p in parts})))
+        return stack_rows(self, parts)
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         from memwall.quant import native

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memwall.quant.base import QuantLinear, QuantMethod, QuantWeights
+from memwall.quant.base import QuantLinear, QuantMethod, QuantWeights, stack_rows
 from memwall.quant.int4_cpu import DEQUANT_MIN_TOKENS, _to_bf16_up
 
 _K_ALIGN = 16
@@ -53,13 +53,7 @@ class Int8WeightOnly(QuantMethod):
         return QuantWeights(self, tensors, out_features=n, in_features=k, source=source)
 
     def concat(self, parts: list[QuantWeights]) -> QuantWeights | None:
-        if any(not isinstance(p.method, Int8WeightOnly) or p.in_features != parts[0].in_features
-               for p in parts):
-            return None
-        tensors = {name: torch.cat([p.tensors[name] for p in parts]) for name in ("qweight", "scales")}
-        sources = " + ".join(sorted({p.source for p in parts}))
-        return QuantWeights(self, tensors, sum(p.out_features for p in parts),
-                            parts[0].in_features, sources)
+        return stack_rows(self, parts)
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         xb = x.to(torch.bfloat16).contiguous()  # [T, in]
@@ -97,13 +91,7 @@ class NativeQ8(QuantMethod):
         return QuantWeights(self, tensors, out_features=n, in_features=k, source=source)
 
     def concat(self, parts: list[QuantWeights]) -> QuantWeights | None:
-        first = parts[0].tensors["s"].shape[1]
-        if any(not isinstance(p.method, NativeQ8) or p.in_features != parts[0].in_features
-               or p.tensors["s"].shape[1] != first for p in parts):
-            return None
-        tensors = {name: torch.cat([p.tensors[name] for p in parts]) for name in ("codes", "s", "c")}
-        return QuantWeights(self, tensors, sum(p.out_features for p in parts), parts[0].in_features,
-                            " + ".join(sorted({p.source for p in parts})))
+        return stack_rows(self, parts)  # also refuses parts with other group sizes
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         from memwall.quant import native
