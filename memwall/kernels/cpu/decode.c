@@ -280,23 +280,35 @@ static inline float q8_row_i8(const int8_t* codes, const float* s, const float* 
 }
 #endif
 
+#ifdef MW_VNNI
+/* One token quantized for the int8 kernels, in one allocation (free with free(t.hi)). */
+typedef struct { int8_t *hi, *lo; float *dlane, *gsum; int32_t* xcorr; } qtoken;
+
+static int quantize_token(const float* x, int64_t K, int q4_order, int64_t G, qtoken* t) {
+    const int64_t groups = K / (G < 32 ? G : 32);  /* gsum entries (at most K/16) */
+    t->hi = (int8_t*)malloc(2 * K + sizeof(float) * (K / 4 + groups) + sizeof(int32_t) * (K / 4));
+    if (!t->hi) return 0;
+    t->lo = t->hi + K;
+    t->dlane = (float*)(t->lo + K);
+    t->gsum = t->dlane + K / 4;
+    t->xcorr = q4_order ? NULL : (int32_t*)(t->gsum + groups);
+    quantize_x(x, K, q4_order, G, t->hi, t->lo, t->dlane, t->gsum, t->xcorr);
+    return 1;
+}
+#endif
+
 /* y[N] = x[K] @ W^T for one token with int8 dot products; returns 0 when it cannot (no VNNI,
  * switched off, or a shape it does not take), and the caller runs the fp32 kernel. */
 int mw_q4_gemv_i8(const float* x, int64_t K, const uint8_t* codes, const float* s,
                   const float* c, float* y, int64_t N) {
 #ifdef MW_VNNI
-    if (!mw_int8_dot || K % 64) return 0;
-    int8_t* hi = (int8_t*)malloc(2 * K + sizeof(float) * (K / 4 + K / 32));
-    if (!hi) return 0;
-    int8_t* lo = hi + K;
-    float* dlane = (float*)(lo + K);
-    float* gsum = dlane + K / 4;
-    quantize_x(x, K, 1, 32, hi, lo, dlane, gsum, NULL);
+    qtoken t;
+    if (!mw_int8_dot || K % 64 || !quantize_token(x, K, 1, 32, &t)) return 0;
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
-        y[n] = q4_row_i8(codes + n * (K / 2), s + n * (K / 32), c + n * (K / 32), K, hi, lo,
-                         dlane, gsum);
-    free(hi);
+        y[n] = q4_row_i8(codes + n * (K / 2), s + n * (K / 32), c + n * (K / 32), K, t.hi, t.lo,
+                         t.dlane, t.gsum);
+    free(t.hi);
     return 1;
 #else
     (void)x; (void)K; (void)codes; (void)s; (void)c; (void)y; (void)N;
@@ -307,19 +319,15 @@ int mw_q4_gemv_i8(const float* x, int64_t K, const uint8_t* codes, const float* 
 int mw_q8_gemv_i8(const float* x, int64_t K, int64_t G, const int8_t* codes, const float* s,
                   const float* c, float* y, int64_t N) {
 #ifdef MW_VNNI
-    if (!mw_int8_dot || K % 64 || !(G == 16 || G == 32 || G % 64 == 0)) return 0;
-    int8_t* hi = (int8_t*)malloc(2 * K + sizeof(float) * (K / 4 + K / 16) + sizeof(int32_t) * (K / 4));
-    if (!hi) return 0;
-    int8_t* lo = hi + K;
-    float* dlane = (float*)(lo + K);
-    float* gsum = dlane + K / 4;
-    int32_t* xcorr = (int32_t*)(gsum + K / 16);
-    quantize_x(x, K, 0, G, hi, lo, dlane, gsum, xcorr);
+    qtoken t;
+    if (!mw_int8_dot || K % 64 || !(G == 16 || G == 32 || G % 64 == 0) ||
+        !quantize_token(x, K, 0, G, &t))
+        return 0;
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
-        y[n] = q8_row_i8(codes + n * K, s + n * (K / G), c + n * (K / G), K, G, hi, lo, dlane,
-                         gsum, xcorr);
-    free(hi);
+        y[n] = q8_row_i8(codes + n * K, s + n * (K / G), c + n * (K / G), K, G, t.hi, t.lo,
+                         t.dlane, t.gsum, t.xcorr);
+    free(t.hi);
     return 1;
 #else
     (void)x; (void)K; (void)G; (void)codes; (void)s; (void)c; (void)y; (void)N;
