@@ -120,11 +120,14 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden] (logits are taken separately)."""
-        decoder = self._native_decoder(kv_caches) if not meta.prefill_seq_ids else None
+        decode_only = not meta.prefill_seq_ids and meta.decode is not None
+        decoder = self._native_decoder(kv_caches) if decode_only else None
         if decoder is not None:
-            # every sequence adds one token: all layers in one C call (memwall/kernels/cpu)
+            # every sequence adds one token: all layers in one C call (memwall/kernels/cpu);
+            # the step's DecodeBatch already holds its lengths and block tables as tensors
+            batch = meta.decode
             return decoder.step(self.model.embed_tokens(input_ids), positions, meta.slot_mapping,
-                                torch.tensor(meta.seq_lens, dtype=torch.long), meta.block_tables)
+                                batch.seq_lens, batch.block_tables)
         return self.model(input_ids, positions, kv_caches, meta)
 
     use_native_decode = True
