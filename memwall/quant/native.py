@@ -38,6 +38,7 @@ logger = logging.getLogger("memwall")
 
 _SOURCE = r"""
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -75,6 +76,85 @@ static void q4_gemv4(const float* x, int64_t K, const uint8_t* codes, const floa
 }
 #endif
 
+
+#if defined(__AVX512F__)
+/* Row kernels for a batch of M tokens, one output row n, input blocks [b0, b1). Each is
+   instantiated for every M in 1..16 (Q_CASES): with M a compile-time constant the M
+   accumulators live in registers and the token loop is unrolled. With M a run-time value GCC
+   kept a compare-and-branch per FMA and reloaded pointers from the stack, which ran the q8
+   kernel at a third of the FMA rate. */
+#define Q_CASES(fn, ...) \
+    case 1: fn(1, __VA_ARGS__); break;   case 2: fn(2, __VA_ARGS__); break; \
+    case 3: fn(3, __VA_ARGS__); break;   case 4: fn(4, __VA_ARGS__); break; \
+    case 5: fn(5, __VA_ARGS__); break;   case 6: fn(6, __VA_ARGS__); break; \
+    case 7: fn(7, __VA_ARGS__); break;   case 8: fn(8, __VA_ARGS__); break; \
+    case 9: fn(9, __VA_ARGS__); break;   case 10: fn(10, __VA_ARGS__); break; \
+    case 11: fn(11, __VA_ARGS__); break; case 12: fn(12, __VA_ARGS__); break; \
+    case 13: fn(13, __VA_ARGS__); break; case 14: fn(14, __VA_ARGS__); break; \
+    case 15: fn(15, __VA_ARGS__); break; default: fn(16, __VA_ARGS__); break;
+
+static inline __attribute__((always_inline)) void q4_row_m(
+        const int M, const float* xp, const uint8_t* qr, const float* sr,
+        const float* cr, int64_t b0, int64_t b1, float* y, int64_t N, int64_t n) {
+    __m512 acc[MAXM];
+    #pragma GCC unroll 16
+    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = b0; b < b1; b++) {
+        __m128i raw = _mm_loadu_si128((const __m128i*)(qr + b * 16));
+        __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(15));
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15));
+        __m512 vs = _mm512_set1_ps(sr[b]), vc = _mm512_set1_ps(cr[b]);
+        __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
+        __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
+        w0 = _mm512_add_ps(_mm512_mul_ps(w0, vs), vc);
+        w1 = _mm512_add_ps(_mm512_mul_ps(w1, vs), vc);
+        #pragma GCC unroll 16
+        for (int m = 0; m < M; m++) {
+            const float* xb = xp + (2 * b * M + m) * 16;
+            acc[m] = _mm512_fmadd_ps(w1, _mm512_load_ps(xb + M * 16),
+                                     _mm512_fmadd_ps(w0, _mm512_load_ps(xb), acc[m]));
+        }
+    }
+    #pragma GCC unroll 16
+    for (int m = 0; m < M; m++)
+        y[m * N + n] = (b0 ? y[m * N + n] : 0.f) + _mm512_reduce_add_ps(acc[m]);
+}
+
+static inline __attribute__((always_inline)) void q8_row_m(
+        const int M, const float* xp, int64_t G, const int8_t* qr, const float* sr,
+        const float* cr, int64_t g0, int64_t g1, float* y, int64_t N, int64_t n) {
+    __m512 acc[MAXM];
+    #pragma GCC unroll 16
+    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = g0; g < g1; g++) {
+        __m512 vs = _mm512_set1_ps(sr[g]), vc = _mm512_set1_ps(cr[g]);
+        for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+            __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qr + k))));
+            w = _mm512_add_ps(_mm512_mul_ps(w, vs), vc);
+            #pragma GCC unroll 16
+            for (int m = 0; m < M; m++)
+                acc[m] = _mm512_fmadd_ps(w, _mm512_load_ps(xp + (k / 16 * M + m) * 16), acc[m]);
+        }
+    }
+    #pragma GCC unroll 16
+    for (int m = 0; m < M; m++)
+        y[m * N + n] = (g0 ? y[m * N + n] : 0.f) + _mm512_reduce_add_ps(acc[m]);
+}
+#endif
+
+#if defined(__AVX512F__)
+/* x [M, K] -> chunks of 16 values, token-minor: chunk j of token m at xp + (j * M + m) * 16.
+   The row kernels then reach every token's slice through one pointer and constant offsets;
+   with M separate row pointers they ran out of general registers and reloaded them. */
+static float* pack_x16(const float* x, int64_t M, int64_t K) {
+    float* xp = aligned_alloc(64, (size_t)(M * K * sizeof(float) + 63) / 64 * 64);
+    if (xp)
+        for (int64_t j = 0; j < K / 16; j++)
+            for (int64_t m = 0; m < M; m++) memcpy(xp + (j * M + m) * 16, x + m * K + j * 16, 64);
+    return xp;
+}
+#endif
+
 /* Several tokens go through K in blocks small enough that their slice of x stays in L1
    while every weight row streams past it: for a down projection (K = 1536) 16 tokens' x is
    96 KB, and re-reading it from L2 for each row made it as slow as gate_up at twice the
@@ -99,6 +179,10 @@ void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const f
     }
 #endif
     const int64_t kb = k_block(M, K, 32) / 32;
+#if defined(__AVX512F__)
+    float* xp = pack_x16(x, M, K);
+    if (!xp) return;
+#endif
     #pragma omp parallel
     for (int64_t b0 = 0; b0 < nb; b0 += kb) {
         const int64_t b1 = b0 + kb < nb ? b0 + kb : nb;
@@ -109,26 +193,7 @@ void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const f
             const float* cr = c + n * nb;
 #define ADD_Y(m, v) (y[(m) * N + n] = (b0 ? y[(m) * N + n] : 0.f) + (v))
 #if defined(__AVX512F__)
-            /* one accumulator a token: 16 of them and the weights fit the 32 vector registers
-               (two a token spilled at M = 16); the M chains give enough independent FMAs */
-            __m512 acc[MAXM];
-            for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-            for (int64_t b = b0; b < b1; b++) {
-                __m128i raw = _mm_loadu_si128((const __m128i*)(qr + b * 16));
-                __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(15));
-                __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15));
-                __m512 vs = _mm512_set1_ps(sr[b]), vc = _mm512_set1_ps(cr[b]);
-                __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
-                __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
-                w0 = _mm512_add_ps(_mm512_mul_ps(w0, vs), vc);
-                w1 = _mm512_add_ps(_mm512_mul_ps(w1, vs), vc);
-                for (int64_t m = 0; m < M; m++) {
-                    const float* xb = x + m * K + b * 32;
-                    acc[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16),
-                                             _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[m]));
-                }
-            }
-            for (int64_t m = 0; m < M; m++) ADD_Y(m, _mm512_reduce_add_ps(acc[m]));
+            switch (M) { Q_CASES(q4_row_m, xp, qr, sr, cr, b0, b1, y, N, n) }
 #elif defined(HAVE_AVX2)
             /* 4 accumulators a row: one FMA chain per 8-value slice, so a single token is not
                held up by FMA latency */
@@ -171,6 +236,9 @@ void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const f
 #undef ADD_Y
         }
     }
+#if defined(__AVX512F__)
+    free(xp);
+#endif
 }
 
 /* y[m, n] = sum_k x[m, k] * (s[n, k/G] * q[n, k] + c[n, k/G]);  M <= MAXM, G % 16 == 0 */
@@ -211,6 +279,10 @@ void q8_gemm(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* code
     }
 #endif
     const int64_t kg = k_block(M, K, G) / G;
+#if defined(__AVX512F__)
+    float* xp = pack_x16(x, M, K);
+    if (!xp) return;
+#endif
     #pragma omp parallel
     for (int64_t g0 = 0; g0 < ng; g0 += kg) {
         const int64_t g1 = g0 + kg < ng ? g0 + kg : ng;
@@ -221,18 +293,7 @@ void q8_gemm(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* code
             const float* cr = c + n * ng;
 #define ADD_Y(m, v) (y[(m) * N + n] = (g0 ? y[(m) * N + n] : 0.f) + (v))
 #if defined(__AVX512F__)
-            __m512 acc[MAXM];
-            for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-            for (int64_t g = g0; g < g1; g++) {
-                __m512 vs = _mm512_set1_ps(sr[g]), vc = _mm512_set1_ps(cr[g]);
-                for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
-                    __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qr + k))));
-                    w = _mm512_add_ps(_mm512_mul_ps(w, vs), vc);
-                    for (int64_t m = 0; m < M; m++)
-                        acc[m] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * K + k), acc[m]);
-                }
-            }
-            for (int64_t m = 0; m < M; m++) ADD_Y(m, _mm512_reduce_add_ps(acc[m]));
+            switch (M) { Q_CASES(q8_row_m, xp, G, qr, sr, cr, g0, g1, y, N, n) }
 #elif defined(HAVE_AVX2)
             __m256 acc[MAXM][2];  /* two FMA chains a row (G % 16 == 0) */
             for (int64_t m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
@@ -262,6 +323,72 @@ void q8_gemm(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* code
 #undef ADD_Y
         }
     }
+#if defined(__AVX512F__)
+    free(xp);
+#endif
+}
+
+/* Many tokens (prefill): tiles of MAXM tokens, a tile per thread at a time, each tile through
+   every output row with the same row kernels (its x packed, K-blocked for L1). The layer's
+   quantized weights (a few MB) are re-read from cache once per tile, which is cheaper than the
+   float copy BLAS needs: 1.2-1.6x dequantize + fp32 BLAS on a 2048-token prefill, and no
+   [N, K] float buffer. Returns 0 where there is no AVX-512 (the caller then uses BLAS). */
+int q4_gemm_tiles(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* s,
+                  const float* c, float* y, int64_t N) {
+#if defined(__AVX512F__)
+    const int64_t nb = K / 32, kb = k_block(MAXM, K, 32) / 32;
+    int ok = 1;
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t m0 = 0; m0 < M; m0 += MAXM) {
+        const int64_t rows = M - m0 < MAXM ? M - m0 : MAXM;
+        float* xp = pack_x16(x + m0 * K, rows, K);
+        if (!xp) { ok = 0; continue; }
+        float* yt = y + m0 * N;
+        for (int64_t b0 = 0; b0 < nb; b0 += kb) {
+            const int64_t b1 = b0 + kb < nb ? b0 + kb : nb;
+            for (int64_t n = 0; n < N; n++) {
+                const uint8_t* qr = codes + n * (K / 2);
+                const float* sr = s + n * nb;
+                const float* cr = c + n * nb;
+                switch (rows) { Q_CASES(q4_row_m, xp, qr, sr, cr, b0, b1, yt, N, n) }
+            }
+        }
+        free(xp);
+    }
+    return ok;
+#else
+    (void)x; (void)M; (void)K; (void)codes; (void)s; (void)c; (void)y; (void)N;
+    return 0;
+#endif
+}
+
+int q8_gemm_tiles(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
+                  const float* s, const float* c, float* y, int64_t N) {
+#if defined(__AVX512F__)
+    const int64_t ng = K / G, kg = k_block(MAXM, K, G) / G;
+    int ok = 1;
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t m0 = 0; m0 < M; m0 += MAXM) {
+        const int64_t rows = M - m0 < MAXM ? M - m0 : MAXM;
+        float* xp = pack_x16(x + m0 * K, rows, K);
+        if (!xp) { ok = 0; continue; }
+        float* yt = y + m0 * N;
+        for (int64_t g0 = 0; g0 < ng; g0 += kg) {
+            const int64_t g1 = g0 + kg < ng ? g0 + kg : ng;
+            for (int64_t n = 0; n < N; n++) {
+                const int8_t* qr = codes + n * K;
+                const float* sr = s + n * ng;
+                const float* cr = c + n * ng;
+                switch (rows) { Q_CASES(q8_row_m, xp, G, qr, sr, cr, g0, g1, yt, N, n) }
+            }
+        }
+        free(xp);
+    }
+    return ok;
+#else
+    (void)x; (void)M; (void)K; (void)G; (void)codes; (void)s; (void)c; (void)y; (void)N;
+    return 0;
+#endif
 }
 
 /* the weights as float32 [N, K], for large batches (then a BLAS matmul) */
@@ -288,7 +415,7 @@ void q8_dequant(const int8_t* codes, const float* s, const float* c, float* w, i
 }
 """
 
-MAX_TOKENS = 16  # MAXM in the C source: larger batches dequantize and use BLAS
+MAX_TOKENS = 16  # MAXM in the C source: larger batches go in tiles of this many tokens
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11"]
 
 
@@ -343,6 +470,9 @@ def _lib() -> ctypes.CDLL | None:
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.q4_gemm.argtypes = [p, i64, i64, p, p, p, p, i64]
     lib.q8_gemm.argtypes = [p, i64, i64, i64, p, p, p, p, i64]
+    lib.q4_gemm_tiles.argtypes = [p, i64, i64, p, p, p, p, i64]
+    lib.q8_gemm_tiles.argtypes = [p, i64, i64, i64, p, p, p, p, i64]
+    lib.q4_gemm_tiles.restype = lib.q8_gemm_tiles.restype = ctypes.c_int
     lib.q4_dequant.argtypes = [p, p, p, p, i64, i64]
     lib.q8_dequant.argtypes = [p, p, p, p, i64, i64, i64]
     for f in (lib.q4_gemm, lib.q8_gemm, lib.q4_dequant, lib.q8_dequant):
@@ -383,9 +513,12 @@ def q4_matmul(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, c: torch.Te
     """x float32 [M, K] (contiguous) -> [M, N] with the q4 layout's weight."""
     m, k = x.shape
     n = codes.shape[0]
-    if m > MAX_TOKENS:
-        return _big_linear(x, q4_dequantize(codes, s, c, k))
     y = torch.empty(m, n, dtype=torch.float32)
+    if m > MAX_TOKENS:
+        if _lib().q4_gemm_tiles(x.data_ptr(), m, k, codes.data_ptr(), s.data_ptr(), c.data_ptr(),
+                                y.data_ptr(), n):
+            return y
+        return _big_linear(x, q4_dequantize(codes, s, c, k))
     if m == 1 and _lib().mw_q4_gemv_i8(x.data_ptr(), k, codes.data_ptr(), s.data_ptr(),
                                        c.data_ptr(), y.data_ptr(), n):
         return y
@@ -397,9 +530,12 @@ def q8_matmul(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, c: torch.Te
     """x float32 [M, K] (contiguous) -> [M, N] with the q8 layout's weight."""
     m, k = x.shape
     n, group = codes.shape[0], k // s.shape[1]
-    if m > MAX_TOKENS:
-        return _big_linear(x, q8_dequantize(codes, s, c))
     y = torch.empty(m, n, dtype=torch.float32)
+    if m > MAX_TOKENS:
+        if _lib().q8_gemm_tiles(x.data_ptr(), m, k, group, codes.data_ptr(), s.data_ptr(),
+                                c.data_ptr(), y.data_ptr(), n):
+            return y
+        return _big_linear(x, q8_dequantize(codes, s, c))
     if m == 1 and _lib().mw_q8_gemv_i8(x.data_ptr(), k, group, codes.data_ptr(), s.data_ptr(),
                                        c.data_ptr(), y.data_ptr(), n):
         return y
