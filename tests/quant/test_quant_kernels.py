@@ -165,3 +165,26 @@ def test_native_float_quantizers_and_concat():
 def test_bf16_activations_come_back_bf16():
     layer = QuantLinear(NativeQ8().create_weights(torch.randn(16, 32)))
     assert layer(torch.randn(2, 32, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("tokens", [5, 16, 37])  # one part tile, one whole tile, tiles + a remainder
+def test_native_kernels_block_long_inputs(kind, tokens):
+    """K = 2048 splits into several L1-sized blocks whose partial sums add into y, for a small
+    batch (one parallel pass over rows) and for prefill (16-token tiles, a tile per thread)."""
+    torch.manual_seed(8)
+    rows, k = 40, 2048
+    if kind == "q4":
+        q = torch.randint(0, 16, (rows, k))
+        method = NativeQ4()
+    else:
+        q = torch.randint(-128, 128, (rows, k))
+        method = NativeQ8()
+    s, c = torch.rand(rows, k // 32), torch.randn(rows, k // 32)
+    w = (q.float().view(rows, -1, 32) * s[..., None] + c[..., None]).view(rows, k)
+    layer = QuantLinear(method.from_codes(q, s, c, "test"))
+    x = torch.randn(tokens, k)
+    assert rel_err(layer(x), F.linear(x, w)) < 1e-5
+    # every token's row is its own: the same as computing it alone
+    assert torch.allclose(layer(x)[-1:], layer(x[-1:].contiguous()), rtol=1e-4, atol=1e-3)
