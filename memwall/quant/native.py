@@ -15,6 +15,10 @@ Two layouts, both row-major, blocks along the input dimension:
     q8: codes int8 [N, K]      s, c float32 [N, K/G], G a multiple of 16 dividing K
                                w = s * q + c
 
+Batches: one token uses the gemv kernels (or decode.c's int8-digit ones); 2..16 tokens go
+through every weight row together; more (prefill) go in 16-token tiles, a tile per thread, with
+the same row kernels, so no float copy of a weight is ever made.
+
 Threads: OpenMP, linked by soname against the libgomp torch has already loaded, so kernels
 share torch's thread pool and ``torch.set_num_threads``. Set MEMWALL_NATIVE=0 to disable.
 """
@@ -545,8 +549,9 @@ def q8_matmul(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, c: torch.Te
 
 
 def _big_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Many tokens (prefill): the weight as fp32 and BLAS. (bf16 here ran 4x faster on AVX512
-    BF16 CPUs, but greedy tokens then agreed with the float path on only 79% of positions.)"""
+    """Many tokens where the tile kernels are not built (no AVX-512): the weight as fp32 and
+    BLAS. (bf16 ran 4x faster on AVX512-BF16 CPUs, but greedy tokens then agreed with the float
+    path on only 79% of positions.)"""
     return torch.nn.functional.linear(x, w)
 
 

@@ -1,0 +1,132 @@
+"""A Llama-shaped GGUF with random Q4_1 weights and SmolLM2's tokenizer, for measurements that
+need a model larger than the embedded one (memory, speed) without downloading one.
+
+    python benchmarks/synthetic_gguf.py --preset llama-1b --out /tmp/llama-1b-q4_1.gguf
+
+The weights are random but well-formed (finite fp16 scales, weights within +-0.15), laid out
+as llama.cpp's converter writes a Q4_1 file: Q4_1 matrices, Q8_0 token embedding tied to the
+output, F32 norms. The tokenizer and chat template are copied from the embedded SmolLM2 file,
+so the vocabulary is its 49,152 tokens and both memwall and llama.cpp load and run the file.
+The text it generates is noise; its sizes are those of a real model of that shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.servers import embedded_gguf  # noqa: E402
+
+# name -> (hidden, layers, heads, kv_heads, ffn)
+PRESETS = {
+    "llama-1b": (2048, 16, 32, 8, 8192),    # Llama-3.2-1B's shape (SmolLM2's vocabulary)
+    "llama-3b": (3072, 28, 24, 8, 8192),    # Llama-3.2-3B's shape
+    "smollm2-360m": (960, 32, 15, 5, 2560),
+}
+
+
+def q4_1_rows(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    """[rows, cols/32 * 20] bytes: per 32 weights an fp16 scale d, an fp16 minimum m and 16
+    bytes of 4-bit codes; w = d * q + m."""
+    blocks = rows * cols // 32
+    out = np.empty((blocks, 20), dtype=np.uint8)
+    d = rng.uniform(0.01, 0.02, blocks).astype(np.float16)
+    out[:, 0:2] = d.view(np.uint8).reshape(blocks, 2)
+    out[:, 2:4] = (-8 * d).view(np.uint8).reshape(blocks, 2)
+    out[:, 4:] = rng.integers(0, 256, (blocks, 16), dtype=np.uint8)
+    return out.reshape(rows, cols // 32 * 20)
+
+
+def q8_0_rows(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    """[rows, cols/32 * 34] bytes: per 32 weights an fp16 scale and 32 int8 codes."""
+    blocks = rows * cols // 32
+    out = np.empty((blocks, 34), dtype=np.uint8)
+    out[:, 0:2] = np.full(blocks, 0.001, dtype=np.float16).view(np.uint8).reshape(blocks, 2)
+    out[:, 2:] = rng.integers(0, 256, (blocks, 32), dtype=np.uint8)
+    return out.reshape(rows, cols // 32 * 34)
+
+
+def copy_tokenizer(writer, source: Path) -> int:
+    """Every tokenizer.* key of ``source``; returns its vocabulary size."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(source))
+    vocab = 0
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            sub = field.types[-1]
+            if sub == gguf.GGUFValueType.STRING:
+                values = [bytes(field.parts[i]).decode("utf-8", errors="surrogateescape")
+                          for i in field.data]
+            else:
+                values = [field.parts[i].tolist()[0] for i in field.data]
+            writer.add_key_value(key, values, vtype, sub_type=sub)
+            if key == "tokenizer.ggml.tokens":
+                vocab = len(values)
+        elif vtype == gguf.GGUFValueType.STRING:
+            writer.add_key_value(key, bytes(field.parts[-1]).decode("utf-8"), vtype)
+        else:
+            writer.add_key_value(key, field.parts[-1].tolist()[0], vtype)
+    return vocab
+
+
+def write(out: Path, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int,
+          seed: int = 0) -> Path:
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_name(f"synthetic-llama-{hidden}x{layers}")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+    vocab = copy_tokenizer(writer, embedded_gguf())
+    head_dim = hidden // heads
+    writer.add_block_count(layers)
+    writer.add_context_length(8192)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(100000.0)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(vocab)
+    writer.add_tensor("token_embd.weight", q8_0_rows(rng, vocab, hidden), raw_dtype=Q.Q8_0)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    shapes = {"attn_q": (heads * head_dim, hidden), "attn_k": (kv_heads * head_dim, hidden),
+              "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, heads * head_dim),
+              "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}
+    for layer in range(layers):
+        writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
+        writer.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
+        for name, (rows, cols) in shapes.items():
+            writer.add_tensor(f"blk.{layer}.{name}.weight", q4_1_rows(rng, rows, cols),
+                              raw_dtype=Q.Q4_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama-1b")
+    parser.add_argument("--out", required=True, help="GGUF file to write")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    path = write(Path(args.out), *PRESETS[args.preset], seed=args.seed)
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.0f} MiB)")
+
+
+if __name__ == "__main__":
+    main()
