@@ -332,44 +332,11 @@ void q8_gemm(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* code
 #endif
 }
 
-/* Many tokens (prefill): tiles of MAXM tokens, a tile per thread at a time, each tile through
-   every output row with the same row kernels (its x packed, K-blocked for L1). The layer's
-   quantized weights (a few MB) are re-read from cache once per tile, which is cheaper than the
-   float copy BLAS needs: 1.2-1.6x dequantize + fp32 BLAS on a 2048-token prefill, and no
-   [N, K] float buffer. Returns 0 where there is no AVX-512 (the caller then uses BLAS). */
-int q4_gemm_tiles(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* s,
-                  const float* c, float* y, int64_t N) {
 #if defined(__AVX512F__)
-    const int64_t nb = K / 32, kb = k_block(MAXM, K, 32) / 32;
-    int ok = 1;
-    #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t m0 = 0; m0 < M; m0 += MAXM) {
-        const int64_t rows = M - m0 < MAXM ? M - m0 : MAXM;
-        float* xp = pack_x16(x + m0 * K, rows, K);
-        if (!xp) { ok = 0; continue; }
-        float* yt = y + m0 * N;
-        for (int64_t b0 = 0; b0 < nb; b0 += kb) {
-            const int64_t b1 = b0 + kb < nb ? b0 + kb : nb;
-            for (int64_t n = 0; n < N; n++) {
-                const uint8_t* qr = codes + n * (K / 2);
-                const float* sr = s + n * nb;
-                const float* cr = c + n * nb;
-                switch (rows) { Q_CASES(q4_row_m, xp, qr, sr, cr, b0, b1, yt, N, n) }
-            }
-        }
-        free(xp);
-    }
-    return ok;
-#else
-    (void)x; (void)M; (void)K; (void)codes; (void)s; (void)c; (void)y; (void)N;
-    return 0;
-#endif
-}
-
-int q8_gemm_tiles(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
-                  const float* s, const float* c, float* y, int64_t N) {
-#if defined(__AVX512F__)
-    const int64_t ng = K / G, kg = k_block(MAXM, K, G) / G;
+/* q4 (is_q4: 32-value blocks, codes K/2 bytes a row) or q8 (groups of G, codes K bytes a row) */
+static int gemm_tiles(int is_q4, const float* x, int64_t M, int64_t K, int64_t G,
+                      const void* codes, const float* s, const float* c, float* y, int64_t N) {
+    const int64_t ng = K / G, kg = k_block(MAXM, K, G) / G, row_bytes = is_q4 ? K / 2 : K;
     int ok = 1;
     #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t m0 = 0; m0 < M; m0 += MAXM) {
@@ -380,15 +347,39 @@ int q8_gemm_tiles(const float* x, int64_t M, int64_t K, int64_t G, const int8_t*
         for (int64_t g0 = 0; g0 < ng; g0 += kg) {
             const int64_t g1 = g0 + kg < ng ? g0 + kg : ng;
             for (int64_t n = 0; n < N; n++) {
-                const int8_t* qr = codes + n * K;
-                const float* sr = s + n * ng;
-                const float* cr = c + n * ng;
-                switch (rows) { Q_CASES(q8_row_m, xp, G, qr, sr, cr, g0, g1, yt, N, n) }
+                const void* qr = (const uint8_t*)codes + n * row_bytes;
+                const float *sr = s + n * ng, *cr = c + n * ng;
+                if (is_q4)
+                    switch (rows) { Q_CASES(q4_row_m, xp, qr, sr, cr, g0, g1, yt, N, n) }
+                else
+                    switch (rows) { Q_CASES(q8_row_m, xp, G, qr, sr, cr, g0, g1, yt, N, n) }
             }
         }
         free(xp);
     }
     return ok;
+}
+#endif
+
+/* Many tokens (prefill): tiles of MAXM tokens, a tile per thread at a time, each tile through
+   every output row with the same row kernels (its x packed, K-blocked for L1). The layer's
+   quantized weights (a few MB) are re-read from cache once per tile, which is cheaper than the
+   float copy BLAS needs: 1.2-1.6x dequantize + fp32 BLAS on a 2048-token prefill, and no
+   [N, K] float buffer. Return 0 where there is no AVX-512 (the caller then uses BLAS). */
+int q4_gemm_tiles(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* s,
+                  const float* c, float* y, int64_t N) {
+#if defined(__AVX512F__)
+    return gemm_tiles(1, x, M, K, 32, codes, s, c, y, N);
+#else
+    (void)x; (void)M; (void)K; (void)codes; (void)s; (void)c; (void)y; (void)N;
+    return 0;
+#endif
+}
+
+int q8_gemm_tiles(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
+                  const float* s, const float* c, float* y, int64_t N) {
+#if defined(__AVX512F__)
+    return gemm_tiles(0, x, M, K, G, codes, s, c, y, N);
 #else
     (void)x; (void)M; (void)K; (void)G; (void)codes; (void)s; (void)c; (void)y; (void)N;
     return 0;
