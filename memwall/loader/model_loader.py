@@ -65,29 +65,58 @@ def load_model(model: str | os.PathLike | None, dtype: str = "float32",
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"unknown quantization {quantization!r}; use one of "
                              f"{', '.join(QUANTIZATIONS)}")
-    path = resolve_model_path(model)
-    torch_dtype = DTYPES[dtype]
-    if path.is_file():
-        arch, tensors, tokenizer, count, packed = _open_gguf(path, torch_dtype, quantization)
-    else:
-        arch, tensors, tokenizer, count, packed = _open_hf_dir(path, torch_dtype)
-    if tokenizer_path is not None:
-        tokenizer = Tokenizer.from_pretrained(tokenizer_path)
-    net = _build_unfilled(arch, torch_dtype)
-    net.load_weights(_with_progress(tensors, count, progress, path.name),
-                     absent=[f"{module}.weight" for module in packed])
-    method = quantization if quantization in ("int8", "int4") else None
-    if packed or method:
-        from memwall.quant.transform import quantize_model
-        report = quantize_model(net, method, packed)
-        logger.info("weights: %s", report.summary())
-    del tensors, packed
-    release_freed_memory()  # before fusing: joining q/k/v and gate/up copies them once more
-    net.fuse_projections()
-    net.eval()
-    release_freed_memory()
-    name = EMBEDDED_FILE.removesuffix(".gguf") if model is None else str(model)
-    return LoadedModel(net, arch, tokenizer, name)
+    with _loading_allocations():
+        path = resolve_model_path(model)
+        torch_dtype = DTYPES[dtype]
+        if path.is_file():
+            arch, tensors, tokenizer, count, packed = _open_gguf(path, torch_dtype, quantization)
+        else:
+            arch, tensors, tokenizer, count, packed = _open_hf_dir(path, torch_dtype)
+        if tokenizer_path is not None:
+            tokenizer = Tokenizer.from_pretrained(tokenizer_path)
+        net = _build_unfilled(arch, torch_dtype)
+        net.load_weights(_with_progress(tensors, count, progress, path.name),
+                         absent=[f"{module}.weight" for module in packed])
+        method = quantization if quantization in ("int8", "int4") else None
+        if packed or method:
+            from memwall.quant.transform import quantize_model
+            report = quantize_model(net, method, packed)
+            logger.info("weights: %s", report.summary())
+        del tensors, packed
+        release_freed_memory()  # before fusing: joining q/k/v and gate/up copies them once more
+        net.fuse_projections()
+        net.eval()
+        release_freed_memory()
+        name = EMBEDDED_FILE.removesuffix(".gguf") if model is None else str(model)
+        return LoadedModel(net, arch, tokenizer, name)
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+def _mallopt(param: int, value: int) -> bool:
+    try:
+        return bool(ctypes.CDLL(None).mallopt(param, value))
+    except (OSError, AttributeError):  # not glibc
+        return False
+
+
+@contextmanager
+def _loading_allocations() -> Iterator[None]:
+    """glibc raises its mmap threshold each time a large block is freed (up to 32 MB), so the
+    loader's per-tensor scratch buffers soon come from the heap, where their freed pages stay
+    resident: a 1B-parameter Q4_1 GGUF peaked at 1420 MB RSS, 1202 MB with a fixed 64 KB
+    threshold (benchmarks/memory.py). Loading uses that threshold, so every buffer over 64 KB is
+    its own mapping, unmapped when freed; afterwards both thresholds are fixed where glibc's
+    dynamic ones end up (32 MB mmap, 64 MB trim), so the engine's per-step tensors are reused
+    from the heap as before instead of being mapped and faulted in anew each step."""
+    lowered = _mallopt(_M_MMAP_THRESHOLD, 64 << 10)
+    try:
+        yield
+    finally:
+        if lowered:
+            _mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+            _mallopt(_M_TRIM_THRESHOLD, 64 << 20)
 
 
 def release_freed_memory() -> None:
