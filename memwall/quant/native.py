@@ -42,6 +42,7 @@ logger = logging.getLogger("memwall")
 
 _SOURCE = r"""
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
@@ -157,6 +158,13 @@ static float* pack_x16(const float* x, int64_t M, int64_t K) {
             for (int64_t m = 0; m < M; m++) memcpy(xp + (j * M + m) * 16, x + m * K + j * 16, 64);
     return xp;
 }
+
+/* A kernel that cannot get its scratch (up to 16 tokens of x) must not return a y it never
+   wrote: stop with a message (the process is out of memory; torch fails at its next step). */
+static void out_of_memory(const char* where, size_t bytes) {
+    fprintf(stderr, "memwall: %s could not allocate %zu bytes\n", where, bytes);
+    abort();
+}
 #endif
 
 /* Several tokens go through K in blocks small enough that their slice of x stays in L1
@@ -185,7 +193,7 @@ void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const f
     const int64_t kb = k_block(M, K, 32) / 32;
 #if defined(__AVX512F__)
     float* xp = pack_x16(x, M, K);
-    if (!xp) return;
+    if (!xp) out_of_memory("q4_gemm/q8_gemm", (size_t)(M * K * sizeof(float)));
 #endif
     #pragma omp parallel
     for (int64_t b0 = 0; b0 < nb; b0 += kb) {
@@ -285,7 +293,7 @@ void q8_gemm(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* code
     const int64_t kg = k_block(M, K, G) / G;
 #if defined(__AVX512F__)
     float* xp = pack_x16(x, M, K);
-    if (!xp) return;
+    if (!xp) out_of_memory("q4_gemm/q8_gemm", (size_t)(M * K * sizeof(float)));
 #endif
     #pragma omp parallel
     for (int64_t g0 = 0; g0 < ng; g0 += kg) {
@@ -337,8 +345,8 @@ void q8_gemm(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* code
 static int gemm_tiles(int is_q4, const float* x, int64_t M, int64_t K, int64_t G,
                       const void* codes, const float* s, const float* c, float* y, int64_t N) {
     const int64_t ng = K / G, kg = k_block(MAXM, K, G) / G, row_bytes = is_q4 ? K / 2 : K;
-    int ok = 1;
-    #pragma omp parallel for schedule(dynamic, 1)
+    int ok = 1;  /* 0 when a tile's scratch could not be allocated */
+    #pragma omp parallel for schedule(dynamic, 1) reduction(min: ok)
     for (int64_t m0 = 0; m0 < M; m0 += MAXM) {
         const int64_t rows = M - m0 < MAXM ? M - m0 : MAXM;
         float* xp = pack_x16(x + m0 * K, rows, K);
