@@ -118,6 +118,9 @@ class FakeServer:
 
     async def serve_one(self, reader, writer) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
+        if head.startswith(b"GET"):  # /v1/models: none here, so clients send no model name
+            writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+            return await writer.drain()
         length = next((int(l.split(b":")[1]) for l in head.split(b"\r\n")
                        if l.lower().startswith(b"content-length")), 0)
         body = json.loads(await reader.readexactly(length)) if length else {}
