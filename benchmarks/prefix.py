@@ -150,8 +150,9 @@ def run_setting(args, caching: bool, workloads: dict) -> dict:
         asyncio.run(replay(server.base_url, warm, 1, 2))
         for name, convs in workloads.items():
             before = cache_counters(server.base_url)
-            output_len = args.output_len if name == "system" else args.chat_output_len
-            results, duration = asyncio.run(replay(server.base_url, convs, args.concurrency, output_len))
+            # chat turns carry their own lengths; output_len is the system questions' answer
+            results, duration = asyncio.run(replay(server.base_url, convs, args.concurrency,
+                                                   args.output_len))
             after = cache_counters(server.base_url)
             summary = summarize(results, duration)
             ttfts = [r.ttft for r in results if r.success]
