@@ -94,9 +94,10 @@ def load_model(model: str | os.PathLike | None, dtype: str = "float32",
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
 
-def _mallopt(param: int, value: int) -> bool:
+def _glibc(function: str, *args: int) -> bool:
+    """Calls one of glibc's malloc functions; False when it fails or this is not glibc."""
     try:
-        return bool(ctypes.CDLL(None).mallopt(param, value))
+        return bool(getattr(ctypes.CDLL(None), function)(*args))
     except (OSError, AttributeError):  # not glibc
         return False
 
@@ -105,18 +106,19 @@ def _mallopt(param: int, value: int) -> bool:
 def _loading_allocations() -> Iterator[None]:
     """glibc raises its mmap threshold each time a large block is freed (up to 32 MB), so the
     loader's per-tensor scratch buffers soon come from the heap, where their freed pages stay
-    resident: a 1B-parameter Q4_1 GGUF peaked at 1420 MB RSS, 1202 MB with a fixed 64 KB
-    threshold (benchmarks/memory.py). Loading uses that threshold, so every buffer over 64 KB is
-    its own mapping, unmapped when freed; afterwards both thresholds are fixed where glibc's
-    dynamic ones end up (32 MB mmap, 64 MB trim), so the engine's per-step tensors are reused
-    from the heap as before instead of being mapped and faulted in anew each step."""
-    lowered = _mallopt(_M_MMAP_THRESHOLD, 64 << 10)
+    resident. Loading uses a fixed 64 KB threshold, so every buffer over 64 KB is its own
+    mapping, unmapped when freed; afterwards both thresholds are fixed where glibc's dynamic
+    ones end up (32 MB mmap, 64 MB trim), so the engine's per-step tensors are reused from the
+    heap as before instead of being mapped and faulted in anew each step. A 1B-parameter Q4_1
+    GGUF peaked at 1420 MB RSS before and 1300 MB with this (benchmarks/memory.py); 1202 MB
+    with 64 KB kept for the whole run, at the price of fresh pages for every large tensor."""
+    lowered = _glibc("mallopt", _M_MMAP_THRESHOLD, 64 << 10)
     try:
         yield
     finally:
         if lowered:
-            _mallopt(_M_MMAP_THRESHOLD, 32 << 20)
-            _mallopt(_M_TRIM_THRESHOLD, 64 << 20)
+            _glibc("mallopt", _M_MMAP_THRESHOLD, 32 << 20)
+            _glibc("mallopt", _M_TRIM_THRESHOLD, 64 << 20)
 
 
 def release_freed_memory() -> None:
@@ -124,10 +126,7 @@ def release_freed_memory() -> None:
     loading frees many transient buffers, and without this the resident size stays at the
     loading peak instead of what the model holds."""
     gc.collect()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    _glibc("malloc_trim", 0)
 
 
 def _build_unfilled(arch: ModelArchConfig, dtype: torch.dtype) -> nn.Module:
