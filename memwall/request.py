@@ -48,7 +48,15 @@ class Request:
     output_logprobs: list = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)
     """One entry per prompt position (position 0 has none: it is not predicted)."""
-    first_token_time: float | None = None
+    first_scheduled_time: float | None = None
+    """When a step first ran some of its tokens."""
+    num_output_tokens_sent: int = 0
+    """Output tokens already reported to the API side (EngineCoreOutput)."""
+    num_prompt_logprobs_sent: int = 0
+    worker_num_tokens: int = 0
+    """Tokens the workers hold for this request (0: they do not hold it; see core/step.py)."""
+    worker_num_blocks: int = 0
+    """Block ids the workers hold for it."""
     cache_extra_keys: tuple = ()
     """Extra namespace for prefix-cache hashes (e.g. a LoRA adapter id or a cache salt)."""
     num_cached_tokens: int = 0
@@ -83,9 +91,3 @@ class Request:
         """Still owes prompt logprobs (they are computed once, even if the request is preempted)."""
         return (self.sampling_params.prompt_logprobs is not None
                 and len(self.prompt_logprobs) < self.num_prompt_tokens)
-
-    def token_slice(self, start: int, end: int) -> list[int]:
-        prompt_len = self.num_prompt_tokens
-        if end <= prompt_len:
-            return self.prompt_token_ids[start:end]
-        return self.all_token_ids[start:end]

@@ -1,71 +1,137 @@
-"""The attention entry points the model calls: ``write_kv`` and ``paged_attention``, routed to
-the backend the step's metadata names.
+"""Attention backends behind one small ABC. The runner picks one (``choose``), builds each step's
+metadata with it, and binds it into the model's attention modules once (``bind``):
 
-    torch   memwall/attention/paged_torch.py    the readable reference (cpu, or cuda without triton)
-    triton  memwall/attention/triton_backend.py the GPU kernels (cuda with triton)
+    torch   the readable reference (memwall/attention/paged_torch.py): the oracle the others
+            are tested against; pure torch, any device
+    cpu     the reference's prefill, and one-token rows through the native paged decode kernel
+            (memwall/kernels/cpu/decode.c), which reads KV blocks in place
+    triton  the GPU kernels (memwall/attention/triton_backend.py), imported only when chosen
 
-The runner picks once (``choose``) and stamps the choice on every ``AttentionMetadata`` it
-builds, so the model stays backend-agnostic and there is no global switch. The triton module
-is imported only when a step asks for it: a CPU run never imports triton.
-
-An fp8 KV cache (``torch.float8_e4m3fn``) is handled here for both backends: new K/V are
+An fp8 KV cache (``torch.float8_e4m3fn``) is handled here for every backend: new K/V are
 clamped to the format's range (+-448, no scale: the cache holds the values themselves) and
-converted before the write; both backends upcast what they read to the query's dtype before
-any matmul.
+converted before the write; backends upcast what they read to the query's dtype.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
+import numpy as np
 import torch
 
 from memwall.attention import paged_torch
 from memwall.attention.metadata import AttentionMetadata
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "cpu", "triton")
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
 
 
-def choose(device: torch.device | str) -> str:
-    """triton on a CUDA device where triton can compile, else the torch reference."""
-    if torch.device(device).type != "cuda":
-        return "torch"
-    from memwall.attention import triton_backend
-    return "triton" if triton_backend.available() else "torch"
+class AttentionBackend(ABC):
+    name: str
+
+    def build_metadata(self, query_lens: np.ndarray, seq_lens: np.ndarray,
+                       block_tables: torch.Tensor, slot_mapping: torch.Tensor,
+                       block_size: int) -> AttentionMetadata:
+        """One step's metadata (block_tables [S, W] and slot_mapping [T] already on the device)."""
+        return AttentionMetadata.from_arrays(query_lens, seq_lens, block_tables, slot_mapping,
+                                             block_size, self.name)
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, meta: AttentionMetadata) -> None:
+        """k, v: [num_tokens, kv_heads, head_dim] -> their slots (``meta.slot_mapping``)."""
+        if k_cache.dtype in FP8_KV_DTYPES:
+            k, v = to_fp8(k, k_cache.dtype), to_fp8(v, v_cache.dtype)
+        self._write(k_cache, v_cache, k, v, meta)
+
+    @abstractmethod
+    def _write(self, k_cache, v_cache, k, v, meta: AttentionMetadata) -> None: ...
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim]."""
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             meta: AttentionMetadata) -> None:
-    """k, v: [num_tokens, kv_heads, head_dim] -> their slots (``meta.slot_mapping``) of the cache."""
-    if k_cache.dtype in FP8_KV_DTYPES:
-        k, v = to_fp8(k, k_cache.dtype), to_fp8(v, v_cache.dtype)
-        if meta.backend == "torch":
+class TorchBackend(AttentionBackend):
+    name = "torch"
+
+    def _write(self, k_cache, v_cache, k, v, meta) -> None:
+        if k_cache.dtype in FP8_KV_DTYPES:
             # index_copy_ has no CPU float8 kernel: move the bytes as uint8, they are the same.
             k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
             k, v = k.view(torch.uint8), v.view(torch.uint8)
-    if meta.backend == "triton":
-        from memwall.attention import triton_backend
-        triton_backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    else:
         paged_torch.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
 
+    def forward(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+        return paged_torch.paged_attention(q, k_cache, v_cache, meta, scale)
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim]."""
-    if meta.backend == "triton":
+
+class CpuBackend(TorchBackend):
+    """The reference with its one-token rows in C (float32 queries and cache only)."""
+
+    name = "cpu"
+
+    def forward(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+        native = q.dtype == torch.float32 and k_cache.dtype == torch.float32
+        return paged_torch.paged_attention(q, k_cache, v_cache, meta, scale,
+                                           decode=_native_decode if native else None)
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+
+    def _write(self, k_cache, v_cache, k, v, meta) -> None:
+        from memwall.attention import triton_backend
+        triton_backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+
+    def forward(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
         from memwall.attention import triton_backend
         return triton_backend.paged_attention(q, k_cache, v_cache, meta, scale)
-    native = q.dtype == torch.float32 and k_cache.dtype == torch.float32 and _native_decode_ok(q)
-    return paged_torch.paged_attention(q, k_cache, v_cache, meta, scale,
-                                       decode=_native_decode if native else None)
 
 
-def _native_decode_ok(q: torch.Tensor) -> bool:
-    if q.device.type != "cpu":
-        return False
-    from memwall.quant import native
-    return native.available()
+_INSTANCES: dict[str, AttentionBackend] = {}
+
+
+def get_backend(name: str) -> AttentionBackend:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKENDS)}")
+    if name not in _INSTANCES:
+        _INSTANCES[name] = {"torch": TorchBackend, "cpu": CpuBackend, "triton": TritonBackend}[name]()
+    return _INSTANCES[name]
+
+
+def choose(device: torch.device | str) -> str:
+    """triton on a CUDA device where triton can compile; cpu where the native kernels build;
+    else the torch reference."""
+    if torch.device(device).type == "cuda":
+        from memwall.attention import triton_backend
+        return "triton" if triton_backend.available() else "torch"
+    return "cpu" if _native_available() else "torch"
+
+
+def _native_available() -> bool:
+    try:
+        from memwall.kernels.cpu.build import available
+    except ImportError:  # the kernels' build module is moving out of memwall/quant
+        from memwall.quant.native import available
+    return available()
+
+
+def bind(model: torch.nn.Module, backend: AttentionBackend) -> None:
+    """Every attention module of ``model`` runs ``backend`` from now on (no global switch)."""
+    for module in model.modules():
+        if hasattr(module, "attn_backend"):
+            module.attn_backend = backend
+
+
+# Function forms for code and tests that hold metadata but no backend object.
+def write_kv(k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
+    get_backend(meta.backend).write_kv(k_cache, v_cache, k, v, meta)
+
+
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    return get_backend(meta.backend).forward(q, k_cache, v_cache, meta, scale)
 
 
 def _native_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> None:

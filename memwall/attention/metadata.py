@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -31,7 +32,7 @@ class AttentionMetadata:
     decode: "DecodeBatch | None" = None
     """Per-step tensors for the decode sequences, shared by every layer."""
     backend: str = "torch"
-    """Which attention backend runs this step: torch or triton (memwall/attention/backend.py)."""
+    """The attention backend that built it: torch, cpu or triton (memwall/attention/backend.py)."""
 
     @property
     def num_seqs(self) -> int:
@@ -59,9 +60,29 @@ class AttentionMetadata:
             decode_seq_ids=decode_ids,
             prefill_seq_ids=[i for i, q in enumerate(query_lens) if q > 1],
             decode=DecodeBatch.build(decode_ids, query_start, seq_lens, block_tables, block_size,
-                                     device) if decode_ids and backend == "torch" else None,
+                                     device) if decode_ids and backend != "triton" else None,
             backend=backend,
         )
+
+    @classmethod
+    def from_arrays(cls, query_lens: np.ndarray, seq_lens: np.ndarray, block_tables: torch.Tensor,
+                    slot_mapping: torch.Tensor, block_size: int,
+                    backend: str = "torch") -> "AttentionMetadata":
+        """The runner's fast path: per-sequence numpy arrays and device tensors it already built
+        (``block_tables`` [S, W] covers every sequence's blocks)."""
+        query_start = np.zeros(len(query_lens) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start[1:])
+        is_decode = query_lens == 1
+        decode_ids = np.flatnonzero(is_decode)
+        decode = None
+        if len(decode_ids) and backend != "triton":
+            decode = DecodeBatch.from_arrays(decode_ids, query_start, seq_lens, block_tables,
+                                             block_size, with_mask=backend == "torch")
+        return cls(slot_mapping=slot_mapping, query_start=query_start.tolist(),
+                   seq_lens=seq_lens.tolist(), block_tables=block_tables, block_size=block_size,
+                   decode_seq_ids=decode_ids.tolist(),
+                   prefill_seq_ids=np.flatnonzero(~is_decode).tolist(), decode=decode,
+                   backend=backend)
 
 
 @dataclass
@@ -80,6 +101,31 @@ class DecodeBatch:
     contiguous_start: int | None = None
     num_blocks: int = field(default=0)
     seq_lens: torch.Tensor | None = None  # [B] int64, KV length of each decode sequence
+
+    @classmethod
+    def from_arrays(cls, seq_ids: np.ndarray, query_start: np.ndarray, seq_lens: np.ndarray,
+                    block_tables: torch.Tensor, block_size: int, with_mask: bool) -> "DecodeBatch":
+        """``with_mask``: the additive padding mask the torch reference needs (the native
+        kernel reads each sequence's own length instead)."""
+        device = block_tables.device
+        lens = seq_lens[seq_ids]
+        max_len = int(lens.max())
+        num_blocks = -(-max_len // block_size)
+        every = len(seq_ids) == block_tables.shape[0]
+        index = torch.from_numpy(seq_ids).to(device)
+        tables = block_tables[:, :num_blocks] if every else block_tables[index, :num_blocks]
+        mask = None
+        if with_mask and int(lens.min()) != max_len:
+            valid = torch.arange(max_len) < torch.from_numpy(lens).unsqueeze(1)  # [B, max_len]
+            mask = torch.zeros(len(lens), max_len).masked_fill_(~valid, float("-inf"))
+            mask = mask.view(len(lens), 1, 1, max_len).to(device)
+        start = None
+        if len(seq_ids) == 1:
+            first = tables[0].tolist()
+            if first == list(range(first[0], first[0] + num_blocks)):
+                start = first[0]
+        return cls(torch.from_numpy(query_start[seq_ids]).to(device), tables.contiguous(), max_len,
+                   mask, start, num_blocks, torch.from_numpy(lens).to(device))
 
     @classmethod
     def build(cls, seq_ids: list[int], query_start: list[int], seq_lens: list[int],

@@ -13,17 +13,55 @@ prefill later; swap parks its blocks in host memory and brings them back. Either
 
 n > 1: the extra samples wait as ``fork_children`` of the first; when its prompt is done they
 fork its blocks (sharing them, copy on write) and sample their first token from the same logits.
+
+The scheduler plans with live ``Request`` objects (``ScheduledChunk``) and hands the workers
+only plain data (``SchedulerOutput``, memwall/core/step.py): a request's data the first time a
+worker sees it, then deltas. ``Request.worker_*`` fields remember what the workers hold.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from memwall.config import SchedulerConfig
 from memwall.core.kv.manager import KVCacheManager
 from memwall.core.queue import make_queue, priority_key
-from memwall.core.step import RunnerOutput, ScheduledChunk, SchedulerOutput
+from memwall.core.step import (CachedRequestData, ForkData, NewRequestData, RunnerOutput,
+                               SchedulerOutput)
 from memwall.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens [start, start + num_tokens) of ``request`` get their KV computed this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    forks: list[Request] = field(default_factory=list)
+    """Pending samples (n > 1) that sample their first token from this chunk's last logits."""
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when the chunk reaches the last known token, so the step yields a new token."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class _Plan:
+    """A step being planned: chunks of live requests, turned into a SchedulerOutput at the end."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
 
 
 @dataclass
@@ -44,6 +82,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
+        self._finished_for_worker: list[str] = []
+        """Finished requests the workers still hold: told with the next non-empty step."""
+        self._in_flight: dict[str, ScheduledChunk] = {}
+        """The chunks of the step being run, by request id (read back by ``update``)."""
 
     @property
     def num_preemptions(self) -> int:
@@ -75,6 +117,9 @@ class Scheduler:
                 if request in parent.fork_children:
                     parent.fork_children.remove(request)
         request.status = status
+        if request.worker_num_tokens:
+            self._finished_for_worker.append(request.request_id)
+            request.worker_num_tokens = 0
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -88,44 +133,43 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted_ids:
+        plan = _Plan()
+        budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
+        if not plan.preempted:
             # Admitting new work in the step that just had to preempt would only thrash.
-            self._schedule_waiting(out, budget)
-        out.transfers = self.kv.take_transfers()
-        return out
+            self._schedule_waiting(plan, budget)
+        return self._to_output(plan)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, plan: _Plan, budget: int) -> int:
         for request in list(self.running):
-            budget = self.config.max_num_batched_tokens - out.num_tokens
+            budget = self.config.max_num_batched_tokens - plan.num_tokens
             if budget <= 0:
                 break
             if request not in self.running:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self._reserve(request, num_new, out):
-                out.chunks.append(self._chunk(request, num_new))
-        return self.config.max_num_batched_tokens - out.num_tokens
+            if self._reserve(request, num_new, plan):
+                plan.chunks.append(self._chunk(request, num_new))
+        return self.config.max_num_batched_tokens - plan.num_tokens
 
-    def _reserve(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+    def _reserve(self, request: Request, num_new: int, plan: _Plan) -> bool:
         """Makes room for the request's new tokens, preempting victims; False if it lost."""
         while not self.kv.allocate_slots(request, request.num_computed_tokens + num_new):
-            victim = self._pick_victim(out)
+            victim = self._pick_victim()
             self._preempt(victim)
-            out.preempted_ids.append(victim.request_id)
+            plan.preempted.append(victim)
             # A victim scheduled earlier in this step (priority policy) loses its chunk too.
-            out.chunks = [c for c in out.chunks if c.request is not victim]
+            plan.chunks = [c for c in plan.chunks if c.request is not victim]
             if victim is request:
                 return False
         return True
 
-    def _pick_victim(self, out: SchedulerOutput) -> Request:
+    def _pick_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":
             return max(self.running, key=priority_key)
         return self.running[-1]
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, plan: _Plan, budget: int) -> None:
         while self.waiting and budget > 0 and self._has_seq_slots(self.waiting.peek()):
             request = self.waiting.peek()
             swapped = request.status is RequestStatus.SWAPPED
@@ -145,9 +189,11 @@ class Scheduler:
             if not self.kv.allocate_slots(request, total, cached):
                 break  # queue order: a later request must not overtake the head
             self.waiting.pop()
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.chunks.append(self._chunk(request, num_new))
+            plan.chunks.append(self._chunk(request, num_new))
             budget -= num_new
 
     def _has_seq_slots(self, request: Request) -> bool:
@@ -155,11 +201,50 @@ class Scheduler:
         return reserved + 1 + len(request.fork_children) <= self.config.max_num_seqs
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
-        chunk = ScheduledChunk(request, request.num_computed_tokens, num_new,
-                               self.kv.block_table(request.request_id))
+        chunk = ScheduledChunk(request, request.num_computed_tokens, num_new)
         if chunk.samples and request.fork_children:
             chunk.forks = list(request.fork_children)
         return chunk
+
+    # ---- the plan as plain data ------------------------------------------------------------
+    def _to_output(self, plan: _Plan) -> SchedulerOutput:
+        rewritten = self.kv.take_rewritten()
+        out = SchedulerOutput(
+            preempted_ids=[r.request_id for r in plan.preempted if r.worker_num_tokens],
+            transfers=self.kv.take_transfers())
+        for victim in plan.preempted:
+            victim.worker_num_tokens = victim.worker_num_blocks = 0
+        self._in_flight = {c.request.request_id: c for c in plan.chunks}
+        for chunk in plan.chunks:
+            request = chunk.request
+            out.num_scheduled_tokens[request.request_id] = chunk.num_tokens
+            if request.worker_num_tokens == 0 or request.request_id in rewritten:
+                out.new_requests.append(self._new_data(request))
+            else:
+                out.cached_requests.append(self._cached_data(request))
+            out.forks.extend(ForkData(f.request_id, request.request_id, f.sampling_params,
+                                      f.eos_token_ids) for f in chunk.forks)
+        if out.num_scheduled_tokens:  # an empty step does not reach the workers: keep them
+            out.finished_ids.extend(self._finished_for_worker)
+            self._finished_for_worker.clear()
+        return out
+
+    def _new_data(self, request: Request) -> NewRequestData:
+        table = self.kv.block_table(request.request_id)
+        request.worker_num_tokens, request.worker_num_blocks = request.num_tokens, len(table)
+        return NewRequestData(request.request_id, request.prompt_token_ids,
+                              list(request.output_token_ids), request.sampling_params,
+                              request.eos_token_ids, list(table), request.num_computed_tokens,
+                              len(request.prompt_logprobs))
+
+    def _cached_data(self, request: Request) -> CachedRequestData:
+        table = self.kv.block_table(request.request_id)
+        # Only output tokens are ever appended: the worker already holds the whole prompt.
+        new_tokens = request.output_token_ids[request.worker_num_tokens - request.num_prompt_tokens:]
+        new_blocks = table[request.worker_num_blocks:]
+        request.worker_num_tokens, request.worker_num_blocks = request.num_tokens, len(table)
+        return CachedRequestData(request.request_id, new_tokens, new_blocks,
+                                 request.num_computed_tokens)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -179,7 +264,9 @@ class Scheduler:
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Applies a step's results; returns the requests that got a new token (finished or not)."""
         touched = []
-        for chunk in sched.chunks:
+        chunks, self._in_flight = self._in_flight, {}
+        for request_id in sched.num_scheduled_tokens:
+            chunk = chunks[request_id]
             request = chunk.request
             if request.is_finished:
                 continue  # aborted while the step ran
@@ -203,6 +290,7 @@ class Scheduler:
             chunk.request.fork_children.remove(child)
             self.kv.fork(chunk.request, child)
             child.num_computed_tokens = chunk.end
+            child.first_scheduled_time = chunk.request.first_scheduled_time
             child.status = RequestStatus.RUNNING
             self.running.append(child)
             sampled = result.sampled[child.request_id]

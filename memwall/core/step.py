@@ -1,56 +1,101 @@
-"""The one contract between the scheduler (core) and the model runner (worker).
+"""The one contract between the scheduler (core) and the workers: plain, picklable data.
 
-``SchedulerOutput`` says, for one engine step, which tokens of which requests to run; the
-runner answers with ``RunnerOutput``: the sampled token of every request whose scheduled chunk
-reached the end of its known tokens, plus logprobs where asked.
+``SchedulerOutput`` says, for one engine step, which tokens of which requests to run. A worker
+keeps its own per-request state (memwall/worker/input_batch.py), so a request's data crosses
+once and then only its deltas do:
+
+    step 1   new_requests:    [NewRequestData(a: prompt ids, params, blocks [7, 8])]
+    step 2   cached_requests: [CachedRequestData(a: new tokens [t1], new blocks [])]
+    step 9   cached_requests: [CachedRequestData(a: new tokens [t8], new blocks [9])]
+    step 12  finished_ids:    [a]                                   (the worker forgets a)
+
+A request that was preempted, or whose block table was rewritten (copy on write), is sent whole
+again. The worker answers with ``RunnerOutput``: the token sampled for every request whose
+scheduled tokens reached the end of its known tokens, plus logprobs where asked.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memwall.core.kv.manager import BlockTransfers
-from memwall.request import Request
+from memwall.sampling_params import SamplingParams
 
 
-@dataclass
-class ScheduledChunk:
-    """Tokens [start, start + num_tokens) of ``request`` get their KV computed this step."""
+@dataclass(frozen=True)
+class BlockTransfers:
+    """Copies for the worker, applied in this order before the forward pass."""
 
-    request: Request
-    start: int
-    num_tokens: int
-    block_table: list[int]
-    forks: list[Request] = field(default_factory=list)
-    """Pending samples (n > 1) that sample their first token from this chunk's last logits."""
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device blocks
 
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when the chunk reaches the last known token, so the step yields a new token."""
-        return self.end == self.request.num_tokens
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.copies)
 
 
-@dataclass
+@dataclass(frozen=True)
+class NewRequestData:
+    """Everything the worker needs about a request it does not hold (new, or resumed)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    """Tokens generated before a preemption; empty for a new request."""
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    """Tokens whose KV is already in the cache (a prefix-cache hit, or swapped back in)."""
+    num_prompt_logprobs_done: int = 0
+    """Prompt positions already scored (they are computed once, even across preemptions)."""
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """What changed for a request the worker already holds."""
+
+    request_id: str
+    new_token_ids: list[int]
+    """Tokens appended since the worker last saw it (the token sampled last step)."""
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class ForkData:
+    """n > 1: a pending sample that takes its first token from its parent's last logits this
+    step (then it shares the parent's blocks and is sent as a new request)."""
+
+    request_id: str
+    parent_id: str
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    """request id -> tokens to run this step, in batch order."""
+    forks: list[ForkData] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+    """Requests the worker held that finished or were aborted: forget them."""
     preempted_ids: list[str] = field(default_factory=list)
+    """Requests the worker held that lost their blocks: forget them until they come back new."""
     transfers: BlockTransfers = field(default_factory=BlockTransfers)
     """Block copies (swap out, swap in, copy-on-write) to apply before the forward pass."""
 
     @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks
+        return not self.num_scheduled_tokens
 
 
-@dataclass
+@dataclass(frozen=True)
 class SampledToken:
     token_id: int
     logprobs: dict | None = None
@@ -60,6 +105,6 @@ class SampledToken:
 @dataclass
 class RunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)
-    """request_id -> the token sampled this step (only for chunks with ``samples``)."""
+    """request_id -> the token sampled this step (requests that reached their last token)."""
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
-    """request_id -> logprob dicts for the prompt positions this chunk predicted."""
+    """request_id -> logprob dicts for the prompt positions this step predicted."""

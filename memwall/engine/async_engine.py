@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from memwall.engine.protocol import EngineStats
 from memwall.kernels.cpu.threads import release_caller_pool
 from memwall.outputs import RequestOutput
 from memwall.sampling_params import SamplingParams
@@ -39,36 +40,6 @@ class EngineClosedError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """A step raised; the engine state can no longer be trusted (server: HTTP 500, health 503)."""
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine, published by the engine thread after every step (for metrics)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    num_preemptions: int = 0
-    num_preemptions_recompute: int = 0
-    num_preemptions_swap: int = 0
-    prefix_cache_queries: int = 0
-    """Prompt tokens looked up in the prefix cache."""
-    prefix_cache_hits: int = 0
-    """Prompt tokens found there (their prefill was skipped)."""
-    prefix_cache_evictions: int = 0
-    """Cached blocks evicted to make room."""
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """Share of KV blocks in use, 0.0 .. 1.0."""
-        if not self.num_total_blocks:
-            return 0.0
-        return 1.0 - self.num_free_blocks / self.num_total_blocks
 
 
 @dataclass
@@ -299,11 +270,7 @@ class AsyncLLMEngine:
             _call_soon(loop, _deliver, items)
 
     def _publish_stats(self, applied_adds: int) -> None:
-        scheduler, kv = self.engine.scheduler, self.engine.kv
-        stats = EngineStats(len(scheduler.running), len(scheduler.waiting), self.engine.num_free_blocks,
-                            self.engine.num_total_blocks, scheduler.num_preemptions,
-                            scheduler.stats.num_preemptions_recompute, scheduler.stats.num_preemptions_swap,
-                            kv.stats.queries, kv.stats.hits, kv.pool.num_evictions)
+        stats = self.engine.stats
         with self._cond:  # together, so that num_waiting never counts a request twice or not at all
             self._stats = stats
             self._pending_adds -= applied_adds

@@ -1,8 +1,14 @@
-"""Processor: user input -> validated, tokenized Requests (one per sample when n > 1)."""
+"""Processor: user input -> validated, tokenized EngineCoreRequests (one per sample when n > 1).
+
+It runs on the API side: chat templates and tokenization happen here, never in the engine core.
+"""
 
 from __future__ import annotations
 
-from memwall.request import Request
+from dataclasses import replace
+from typing import Any
+
+from memwall.engine.protocol import EngineCoreRequest
 from memwall.sampling_params import SamplingParams
 from memwall.tokenizer.tokenizer import Tokenizer
 
@@ -26,6 +32,14 @@ class Processor:
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
 
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> list[int]:
+        """A conversation as token ids: the chat template applied, then encoded without adding
+        special tokens (the template places them). The one place every entry point renders chats."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  **template_kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def tokenize(self, prompt: PromptType) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
@@ -43,7 +57,8 @@ class Processor:
         return ids
 
     def make_requests(self, request_id: str, prompt_ids: list[int],
-                      params: SamplingParams) -> list[Request]:
+                      params: SamplingParams) -> list[EngineCoreRequest]:
+        """One request per sample; samples 2..n are named ``{request_id}/{index}``."""
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise InvalidRequestError(f"stop_token_ids {bad_stop} are outside the vocabulary "
@@ -53,18 +68,15 @@ class Processor:
             # The n samples run side by side; more than the engine runs at once would never start.
             raise InvalidRequestError(f"n={params.n} is more than this server runs at once "
                                       f"(max_num_seqs={self.max_num_seqs})", "n")
-        eos = self.tokenizer.eos_token_ids
+        eos = frozenset(self.tokenizer.eos_token_ids)
         children = [params] if params.n == 1 else [params.clone_for_child(i) for i in range(params.n)]
         requests = []
         for index, child_params in enumerate(children):
             child_id = request_id if params.n == 1 else f"{request_id}/{index}"
-            request = Request(child_id, list(prompt_ids), child_params, max_tokens, frozenset(eos))
-            if child_params.prompt_logprobs is not None and index == 0:
-                request.prompt_logprobs.append(None)  # position 0 is not predicted by anything
-            elif child_params.prompt_logprobs is not None:
+            if child_params.prompt_logprobs is not None and index > 0:
                 # Only the first sample computes prompt logprobs; the others would repeat them.
-                request.sampling_params = _without_prompt_logprobs(child_params)
-            requests.append(request)
+                child_params = replace(child_params, prompt_logprobs=None)
+            requests.append(EngineCoreRequest(child_id, list(prompt_ids), child_params, max_tokens, eos))
         return requests
 
     def _resolve_max_tokens(self, prompt_ids: list[int], params: SamplingParams) -> int:
@@ -83,8 +95,3 @@ class Processor:
                 "max_tokens", "context_length_exceeded")
         return params.max_tokens
 
-
-def _without_prompt_logprobs(params: SamplingParams) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(params, prompt_logprobs=None)

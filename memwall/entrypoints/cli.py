@@ -146,8 +146,7 @@ def run_generate(args: argparse.Namespace) -> int:
     params = sampling_params_from(args)
     prompt = args.prompt
     if args.chat:
-        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+        prompt = engine.processor.render_chat([{"role": "user", "content": prompt}])
     tokens, ttft, total = stream_one(engine, prompt, params)
     print(file=sys.stdout)
     decode_rate = (tokens - 1) / (total - ttft) if tokens > 1 and total > ttft else 0.0
@@ -168,8 +167,7 @@ def run_chat(args: argparse.Namespace) -> int:
         if not line or not line.strip():
             return 0
         messages.append({"role": "user", "content": line.strip()})
-        text = engine.tokenizer.apply_chat_template(messages)
-        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+        prompt = engine.processor.render_chat(messages)
         reply = _Capture(sys.stdout)
         stream_one(engine, prompt, params, out=reply)
         print(flush=True)

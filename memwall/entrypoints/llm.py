@@ -61,8 +61,7 @@ class LLM:
 
     def render_chat(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
         """The chat template applied and tokenized (special tokens come from the template)."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.engine.processor.render_chat(messages, add_generation_prompt)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

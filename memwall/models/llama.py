@@ -13,8 +13,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from memwall.attention.backend import AttentionBackend, get_backend
 from memwall.attention.metadata import AttentionMetadata
-from memwall.attention.backend import paged_attention, write_kv
 from memwall.config import ModelArchConfig
 from memwall.layers.norm import RMSNorm
 from memwall.layers.rotary import RotaryEmbedding
@@ -38,6 +38,9 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Module | None = None
         """q, k and v in one matmul, built by fuse_projections() after loading."""
         self.scale = self.head_dim ** -0.5
+        self.attn_backend: AttentionBackend | None = None
+        """Bound once by the runner (memwall/attention/backend.py:bind); None: the backend
+        that built the step's metadata."""
 
     def forward(self, x: torch.Tensor, rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
@@ -52,8 +55,9 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = RotaryEmbedding.apply(rope, q, k)
-        write_kv(kv_cache[0], kv_cache[1], k, v, meta)
-        o = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, D]
+        backend = self.attn_backend or get_backend(meta.backend)
+        backend.write_kv(kv_cache[0], kv_cache[1], k, v, meta)
+        o = backend.forward(q, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
 
 
@@ -120,27 +124,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden] (logits are taken separately)."""
-        decode_only = not meta.prefill_seq_ids and meta.decode is not None
-        decoder = self._native_decoder(kv_caches) if decode_only else None
-        if decoder is not None:
-            # every sequence adds one token: all layers in one C call (memwall/kernels/cpu);
-            # the step's DecodeBatch already holds its lengths and block tables as tensors
-            batch = meta.decode
-            return decoder.step(self.model.embed_tokens(input_ids), positions, meta.slot_mapping,
-                                batch.seq_lens, batch.block_tables)
         return self.model(input_ids, positions, kv_caches, meta)
-
-    use_native_decode = True
-    """Decode-only steps run memwall/kernels/cpu/decode.c when it can compute this model."""
-
-    def _native_decoder(self, kv_caches: list[KVCache]):
-        if not self.use_native_decode or kv_caches[0][0].device.type != "cpu":
-            return None
-        cached = getattr(self, "_native", None)
-        if cached is None or cached[0] is not kv_caches:
-            from memwall.kernels.cpu.decode import NativeDecoder
-            cached = self._native = (kv_caches, NativeDecoder.build(self, kv_caches))
-        return cached[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [N, vocab]

@@ -1,14 +1,141 @@
-"""InputBatch: one step's scheduled chunks flattened into the tensors a forward pass needs."""
+"""The worker's persistent view of the running requests, and one step's inputs built from it.
+
+``RequestRows`` keeps one numpy row per request the worker holds, updated from the deltas of
+each ``SchedulerOutput`` (memwall/core/step.py): a decode step writes one token and at most one
+block id per sequence. ``StepInputs`` is then a handful of vectorized gathers over those rows
+and one upload, instead of flattening Python lists every step:
+
+    rows (persistent)          token_ids [rows, len]   block_table [rows, blocks]   num_tokens
+    step (per call)            input_ids [T]  positions [T]  slot_mapping [T]  seq_lens [S]
+                               block_tables [S, max blocks of this step]
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from memwall.attention.metadata import AttentionMetadata
-from memwall.core.step import ScheduledChunk
-from memwall.request import Request
+from memwall.core.step import CachedRequestData, NewRequestData, SchedulerOutput
+from memwall.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestState:
+    """What the worker keeps of a request besides its row of tokens and blocks."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    num_prompt_tokens: int
+    num_prompt_logprobs_done: int = 0
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return (self.sampling_params.prompt_logprobs is not None
+                and self.num_prompt_logprobs_done < self.num_prompt_tokens)
+
+
+class RequestRows:
+    """Rows of token ids and block ids, one per held request; freed rows are reused."""
+
+    def __init__(self, num_rows: int, max_len: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.token_ids = np.zeros((num_rows, min(max_len, 1024)), dtype=np.int64)
+        self.block_table = np.zeros((num_rows, -(-self.token_ids.shape[1] // block_size)),
+                                    dtype=np.int64)
+        self.num_tokens = np.zeros(num_rows, dtype=np.int64)
+        self.num_blocks = np.zeros(num_rows, dtype=np.int64)
+        self.num_computed = np.zeros(num_rows, dtype=np.int64)
+        self.row_of: dict[str, int] = {}
+        self.states: dict[str, RequestState] = {}
+        self._free_rows = list(range(num_rows - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    # ---- deltas ----------------------------------------------------------------------------
+    def update(self, sched: SchedulerOutput) -> None:
+        for request_id in sched.finished_ids:
+            self.remove(request_id)
+        for request_id in sched.preempted_ids:
+            self.remove(request_id)
+        for new in sched.new_requests:
+            self.add(new)
+        for cached in sched.cached_requests:
+            self.apply(cached)
+
+    def add(self, new: NewRequestData) -> None:
+        """A request the worker does not hold yet (or holds stale: it is replaced)."""
+        self.remove(new.request_id)
+        tokens = len(new.prompt_token_ids) + len(new.output_token_ids)
+        self._fit(tokens, len(new.block_ids))
+        row = self._take_row()
+        self.row_of[new.request_id] = row
+        prompt_len = len(new.prompt_token_ids)
+        self.token_ids[row, :prompt_len] = new.prompt_token_ids
+        self.token_ids[row, prompt_len:tokens] = new.output_token_ids
+        self.block_table[row, :len(new.block_ids)] = new.block_ids
+        self.num_tokens[row], self.num_blocks[row] = tokens, len(new.block_ids)
+        self.num_computed[row] = new.num_computed_tokens
+        self.states[new.request_id] = RequestState(new.request_id, new.sampling_params,
+                                                   new.eos_token_ids, prompt_len,
+                                                   new.num_prompt_logprobs_done)
+
+    def apply(self, cached: CachedRequestData) -> None:
+        row = self.row_of[cached.request_id]
+        count, blocks = int(self.num_tokens[row]), int(self.num_blocks[row])
+        new_tokens, new_blocks = cached.new_token_ids, cached.new_block_ids
+        if count + len(new_tokens) > self.token_ids.shape[1] or \
+                blocks + len(new_blocks) > self.block_table.shape[1]:
+            self._fit(count + len(new_tokens), blocks + len(new_blocks))
+        if len(new_tokens) == 1:  # the common decode case: a scalar write
+            self.token_ids[row, count] = new_tokens[0]
+        elif new_tokens:
+            self.token_ids[row, count:count + len(new_tokens)] = new_tokens
+        if new_blocks:
+            self.block_table[row, blocks:blocks + len(new_blocks)] = new_blocks
+            self.num_blocks[row] = blocks + len(new_blocks)
+        self.num_tokens[row] = count + len(new_tokens)
+        self.num_computed[row] = cached.num_computed_tokens
+
+    def remove(self, request_id: str) -> None:
+        row = self.row_of.pop(request_id, None)
+        if row is not None:
+            self._free_rows.append(row)
+            self.states.pop(request_id, None)
+
+    def output_ids(self, request_id: str) -> np.ndarray:
+        row, state = self.row_of[request_id], self.states[request_id]
+        return self.token_ids[row, state.num_prompt_tokens:self.num_tokens[row]]
+
+    def prompt_ids(self, request_id: str) -> np.ndarray:
+        return self.token_ids[self.row_of[request_id], :self.states[request_id].num_prompt_tokens]
+
+    # ---- growth ----------------------------------------------------------------------------
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            old = self.token_ids.shape[0]
+            self._grow_rows(2 * old)
+            self._free_rows = list(range(2 * old - 1, old - 1, -1))
+        return self._free_rows.pop()
+
+    def _grow_rows(self, rows: int) -> None:
+        for name in ("token_ids", "block_table", "num_tokens", "num_blocks", "num_computed"):
+            old = getattr(self, name)
+            new = np.zeros((rows, *old.shape[1:]), dtype=old.dtype)
+            new[:old.shape[0]] = old
+            setattr(self, name, new)
+
+    def _fit(self, tokens: int, blocks: int) -> None:
+        """Widens the rows (doubling) so a request can hold ``tokens`` tokens and ``blocks`` blocks."""
+        for name, need in (("token_ids", tokens), ("block_table", blocks)):
+            old = getattr(self, name)
+            if need > old.shape[1]:
+                new = np.zeros((old.shape[0], max(need, 2 * old.shape[1])), dtype=old.dtype)
+                new[:, :old.shape[1]] = old
+                setattr(self, name, new)
 
 
 @dataclass
@@ -22,56 +149,88 @@ class PromptLogprobRows:
 
 
 @dataclass
-class InputBatch:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    attn: AttentionMetadata
+class StepInputs:
+    """One step's flat token axis and where every token sits in the paged KV cache."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    query_lens: np.ndarray  # [S] tokens of each scheduled sequence this step
+    seq_lens: np.ndarray  # [S] KV length of each sequence after this step
+    block_tables: torch.Tensor  # [S, max_blocks] int64 (padded with 0)
     logit_token_index: list[int]
     """Flat token index of every row of logits to compute (sampling rows first)."""
-    sampling_requests: list[Request]
+    sampling_ids: list[str]
     """Requests that sample this step, in the order of the first logits rows (a fork child
     shares its parent's row: both are predicted by the same last prompt token)."""
-    prompt_rows: list[PromptLogprobRows]
+    prompt_rows: list[PromptLogprobRows] = field(default_factory=list)
 
     @classmethod
-    def build(cls, chunks: list[ScheduledChunk], block_size: int,
-              device: torch.device | str = "cpu", backend: str = "torch") -> "InputBatch":
-        """Tensors on ``device``; ``backend`` names the attention backend (memwall/attention/backend.py)."""
-        ids: list[int] = []
-        positions: list[int] = []
-        sample_index: list[int] = []
-        sampling_requests: list[Request] = []
-        prompt_tokens: list[tuple[str, list[int], list[int], int]] = []
-        for chunk in chunks:
-            offset = len(ids)
-            ids.extend(chunk.request.token_slice(chunk.start, chunk.end))
-            positions.extend(range(chunk.start, chunk.end))
-            if chunk.samples:
-                for request in [chunk.request, *chunk.forks]:
-                    sample_index.append(len(ids) - 1)
-                    sampling_requests.append(request)
-            if chunk.request.wants_prompt_logprobs:
-                prompt_tokens.append(_prompt_logprob_positions(chunk, offset))
-        logit_index = list(sample_index)
-        prompt_rows = []
-        for request_id, flat, targets, top_k in prompt_tokens:
-            rows = list(range(len(logit_index), len(logit_index) + len(flat)))
-            logit_index.extend(flat)
-            prompt_rows.append(PromptLogprobRows(request_id, rows, targets, top_k))
-        attn = AttentionMetadata.build([c.num_tokens for c in chunks], [c.end for c in chunks],
-                                       [c.block_table for c in chunks], block_size, device, backend)
-        return cls(torch.tensor(ids, dtype=torch.long, device=device),
-                   torch.tensor(positions, dtype=torch.long, device=device),
-                   attn, logit_index, sampling_requests, prompt_rows)
+    def build(cls, rows: RequestRows, sched: SchedulerOutput,
+              device: torch.device | str = "cpu") -> "StepInputs":
+        ids = list(sched.num_scheduled_tokens)
+        row_index = np.fromiter((rows.row_of[i] for i in ids), dtype=np.int64, count=len(ids))
+        query_lens = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(ids))
+        start = rows.num_computed[row_index]
+        seq_lens = start + query_lens
+        ends = np.cumsum(query_lens)
+        total = int(ends[-1])
+        if total == len(ids):  # every sequence runs one token: no repeat needed
+            tok_rows, positions = row_index, start
+        else:
+            tok_rows = np.repeat(row_index, query_lens)
+            positions = np.arange(total) - np.repeat(ends - query_lens - start, query_lens)
+        bs = rows.block_size
+        input_ids = rows.token_ids[tok_rows, positions]
+        slots = rows.block_table[tok_rows, positions // bs] * bs + positions % bs
+        width = -(-int(seq_lens.max()) // bs)
+        tables = rows.block_table[row_index, :width]
+        samples = seq_lens == rows.num_tokens[row_index]
+        sample_index = (ends - 1)[samples].tolist()
+        sampling_ids = [i for i, s in zip(ids, samples.tolist()) if s]
+        logit_index, sampling = _with_forks(sched, sampling_ids, sample_index)
+        inputs = cls(_upload(input_ids, device), _upload(positions, device), _upload(slots, device),
+                     query_lens, seq_lens, _upload(tables, device), logit_index, sampling)
+        inputs._add_prompt_logprobs(rows, ids, start, ends - query_lens, query_lens)
+        return inputs
+
+    def _add_prompt_logprobs(self, rows: RequestRows, ids: list[str], start: np.ndarray,
+                             offsets: np.ndarray, query_lens: np.ndarray) -> None:
+        """Positions p of a chunk whose next token p + 1 is a prompt token not yet scored."""
+        for i, request_id in enumerate(ids):
+            state = rows.states[request_id]
+            if not state.wants_prompt_logprobs:
+                continue
+            first = state.num_prompt_logprobs_done  # entries collected (position 0 counts as one)
+            row = rows.row_of[request_id]
+            flat, targets = [], []
+            for pos in range(int(start[i]), int(start[i] + query_lens[i])):
+                if first <= pos + 1 < state.num_prompt_tokens:
+                    flat.append(int(offsets[i]) + pos - int(start[i]))
+                    targets.append(int(rows.token_ids[row, pos + 1]))
+            rows_at = list(range(len(self.logit_token_index), len(self.logit_token_index) + len(flat)))
+            self.logit_token_index.extend(flat)
+            state.num_prompt_logprobs_done += len(flat)
+            self.prompt_rows.append(PromptLogprobRows(request_id, rows_at, targets,
+                                                      state.sampling_params.prompt_logprobs or 0))
 
 
-def _prompt_logprob_positions(chunk: ScheduledChunk, offset: int) -> tuple[str, list[int], list[int], int]:
-    """Positions p in the chunk whose next token p + 1 is a prompt token not yet scored."""
-    request = chunk.request
-    first = len(request.prompt_logprobs)  # entries already collected (position 0 counts as one)
-    flat, targets = [], []
-    for pos in range(chunk.start, chunk.end):
-        if first <= pos + 1 < request.num_prompt_tokens:
-            flat.append(offset + pos - chunk.start)
-            targets.append(request.prompt_token_ids[pos + 1])
-    return request.request_id, flat, targets, request.sampling_params.prompt_logprobs or 0
+def _with_forks(sched: SchedulerOutput, sampling_ids: list[str],
+                sample_index: list[int]) -> tuple[list[int], list[str]]:
+    """Fork children sample from their parent's logits row, right after it."""
+    if not sched.forks:
+        return sample_index, sampling_ids
+    children: dict[str, list[str]] = {}
+    for fork in sched.forks:
+        children.setdefault(fork.parent_id, []).append(fork.request_id)
+    index, ids = [], []
+    for request_id, flat in zip(sampling_ids, sample_index):
+        for rid in (request_id, *children.get(request_id, ())):
+            index.append(flat)
+            ids.append(rid)
+    return index, ids
+
+
+def _upload(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    return tensor if torch.device(device).type == "cpu" else tensor.to(device, non_blocking=True)

@@ -34,8 +34,9 @@ def backends() -> list[str]:
     return names
 
 
-def test_choose_picks_torch_on_cpu():
-    assert backend.choose("cpu") == "torch"
+def test_choose_picks_the_native_backend_on_cpu():
+    from memwall.attention.backend import _native_available
+    assert backend.choose("cpu") == ("cpu" if _native_available() else "torch")
     if CUDA:
         from memwall.attention import triton_backend
         assert backend.choose("cuda") == ("triton" if triton_backend.available() else "torch")

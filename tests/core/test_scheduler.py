@@ -20,11 +20,34 @@ def req(rid, prompt_len, max_tokens=4, **params):
                    max_tokens=max_tokens, eos_token_ids=frozenset({2}))
 
 
+class Chunk:
+    """One scheduled request of a plain SchedulerOutput, read back for assertions."""
+
+    def __init__(self, request, start, num_tokens):
+        self.request, self.start, self.num_tokens = request, start, num_tokens
+        self.samples = start + num_tokens == request.num_tokens
+
+
+def chunks(sched, out):
+    starts = {d.request_id: d.num_computed_tokens for d in [*out.new_requests, *out.cached_requests]}
+    return [Chunk(sched.requests[rid], starts[rid], n) for rid, n in out.num_scheduled_tokens.items()]
+
+
+class Step:
+    """A SchedulerOutput with its chunks read back before the results were applied."""
+
+    def __init__(self, out, chunk_list):
+        self.out, self.chunks = out, chunk_list
+        self.preempted_ids = out.preempted_ids
+
+
 def fake_step(sched, token=7):
     out = sched.schedule()
-    result = RunnerOutput(sampled={c.request.request_id: SampledToken(token) for c in out.chunks if c.samples})
+    chunk_list = chunks(sched, out)
+    result = RunnerOutput(sampled={c.request.request_id: SampledToken(token)
+                                   for c in chunk_list if c.samples})
     sched.update(out, result)
-    return out
+    return Step(out, chunk_list)
 
 
 def test_chunked_prefill_respects_token_budget_and_decodes_join():
@@ -126,3 +149,45 @@ def test_oldest_request_always_progresses_under_pressure():
         fake_step(sched)
     assert all(len(r.output_token_ids) == 8 for r in reqs)
     assert kv.num_free_blocks == 6
+
+
+def test_step_is_plain_data_sent_whole_once_then_as_deltas():
+    import pickle
+
+    sched, kv = make_scheduler(block_size=4, budget=32)
+    sched.add(req("a", 6, max_tokens=4))
+    first = fake_step(sched).out
+    assert [d.request_id for d in first.new_requests] == ["a"] and not first.cached_requests
+    new = first.new_requests[0]
+    assert new.prompt_token_ids == list(range(10, 16)) and new.block_ids == kv.block_table("a")[:2]
+    second = fake_step(sched).out  # "a" sampled 7 last step; its 7th token starts block 2
+    assert not second.new_requests
+    [delta] = second.cached_requests
+    assert (delta.new_token_ids, delta.num_computed_tokens) == ([7], 6)
+    assert delta.new_block_ids == []  # 7 tokens still fit 2 blocks of 4
+    fake_step(sched)  # position 7 still fits block 1
+    fourth = fake_step(sched).out  # position 8 is the first of block 2
+    [grown] = fourth.cached_requests[0].new_block_ids
+    assert grown not in new.block_ids
+    assert pickle.loads(pickle.dumps(fourth)) == fourth  # nothing live crosses the boundary
+    sched.add(req("b", 3))
+    fifth = fake_step(sched).out  # "a" finished (4 tokens) in the last update
+    assert fifth.finished_ids == ["a"] and [d.request_id for d in fifth.new_requests] == ["b"]
+
+
+def test_preempted_request_is_sent_whole_again_when_it_resumes():
+    sched, kv = make_scheduler(num_blocks=4, block_size=4, budget=64, max_seqs=4)
+    sched.add(req("old", 7, max_tokens=8))
+    sched.add(req("new", 7, max_tokens=8))
+    fake_step(sched)
+    preempted = []
+    for _ in range(12):
+        step = fake_step(sched)
+        preempted += step.out.preempted_ids
+        resumed = [d for d in step.out.new_requests if d.request_id in preempted]
+        if resumed:
+            data = resumed[0]  # its outputs so far, and only what the prefix cache still holds
+            assert data.output_token_ids and data.num_computed_tokens % 4 == 0
+            assert data.num_computed_tokens < len(data.prompt_token_ids) + len(data.output_token_ids)
+            return
+    raise AssertionError(f"expected a preemption and a resume, got preempted={preempted}")

@@ -111,7 +111,7 @@ def test_fp8_engine_is_close_to_float32(tiny_model_dir, setting):
 
 def test_fp8_kv_cache_is_allocated_in_fp8(tiny_model_dir):
     llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=16, block_size=4, kv_cache_dtype="fp8")
-    k_cache = llm.engine.runner.kv_caches[0][0]
+    k_cache = llm.engine.core.executor.worker.runner.kv_caches[0][0]
     assert k_cache.dtype == torch.float8_e4m3fn and k_cache.element_size() == 1
     assert "KV cache fp8" in llm.engine.describe()
 
@@ -139,8 +139,8 @@ def test_cuda_float32_matches_cpu_greedy(tiny_model_dir):
 def test_cuda_defaults_bf16_triton_and_a_profiled_budget(tiny_model_dir):
     llm = LLM(str(tiny_model_dir("llama")), device="auto")
     engine = llm.engine
-    assert engine.device_config.dtype == "bfloat16" and engine.runner.backend == "triton"
-    assert next(engine.runner.model.parameters()).device.type == "cuda"
+    assert engine.device_config.dtype == "bfloat16" and engine.core.executor.worker.runner.backend == "triton"
+    assert next(engine.core.executor.worker.runner.model.parameters()).device.type == "cuda"
     assert engine.gpu_memory is not None and engine.gpu_memory.kv_budget > 0
     assert "GPU memory" in engine.describe() and engine.graph_buckets
     out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8))[0]
@@ -157,10 +157,10 @@ def test_cuda_swap_preemption_matches_unpreempted_runs(tiny_model_dir):
     llm = LLM(str(path), device="cuda", dtype="float32", num_kv_blocks=30, block_size=4,
               max_num_batched_tokens=32, max_num_seqs=8, max_model_len=96, preemption_mode="swap",
               swap_space=1 << 22)
-    assert llm.engine.runner.swap_caches[0][0].is_pinned()
+    assert llm.engine.core.executor.worker.runner.swap_caches[0][0].is_pinned()
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert llm.engine.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
+    assert llm.engine.core.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
     assert together == alone
 
 

@@ -34,12 +34,12 @@ def test_outputs_identical_with_caching_on_and_off(model_path):
     on = LLM(model_path, num_kv_blocks=256, block_size=4, max_num_seqs=4)
     expected = run(off, prompts)
     assert run(on, prompts) == expected  # first pass: hits between requests of one batch
-    stats = on.engine.kv.stats
+    stats = on.engine.core.kv.stats
     assert stats.hits > 0
     first_hits = stats.hits
     assert run(on, prompts) == expected  # second pass: nearly all prompt blocks come from the cache
     assert stats.hits - first_hits >= sum(len(p) - 4 for p in prompts) * 0.5
-    assert off.engine.kv.stats.hits == 0
+    assert off.engine.core.kv.stats.hits == 0
     assert on.engine.num_free_blocks == on.engine.num_total_blocks
 
 
@@ -67,12 +67,12 @@ def test_preemption_modes_match_ample_memory(model_path, mode):
     tight = LLM(model_path, num_kv_blocks=48, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
                 max_model_len=96, preemption_mode=mode, swap_space=1 << 22)
     assert run(tight, prompts, params) == ample
-    stats = tight.engine.scheduler.stats
+    stats = tight.engine.core.scheduler.stats
     if mode == "swap":
         assert stats.num_preemptions_swap > 0
     else:
         assert stats.num_preemptions_recompute > 0 and stats.num_preemptions_swap == 0
-    kv = tight.engine.kv
+    kv = tight.engine.core.kv
     assert kv.num_free_blocks == kv.num_total_blocks
     assert kv.swap_pool is None or kv.swap_pool.num_free_blocks == kv.swap_pool.num_blocks
 

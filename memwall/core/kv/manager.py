@@ -15,23 +15,12 @@ from dataclasses import dataclass, field
 
 from memwall.core.kv.block_pool import BlockPool
 from memwall.core.kv.hashing import extend_block_hashes
+from memwall.core.step import BlockTransfers
 from memwall.request import Request
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
-
-
-@dataclass
-class BlockTransfers:
-    """Copies for the runner, applied in this order before the forward pass."""
-
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device blocks
-
-    def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.copies)
 
 
 @dataclass
@@ -58,6 +47,7 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}
         self.stats = PrefixCacheStats()
         self._transfers = BlockTransfers()
+        self._rewritten: set[str] = set()
 
     # ---- sizes -----------------------------------------------------------------------------
     @property
@@ -135,6 +125,7 @@ class KVCacheManager:
             self._num_registered[rid] = len(cached_blocks)  # already registered: they came from the cache
         if cow_index is not None:
             self._copy_on_write(table, cow_index)
+            self._rewritten.add(rid)
         table.extend(self.pool.allocate(new))
         return True
 
@@ -196,6 +187,12 @@ class KVCacheManager:
         self.swap_pool.release(host)
         self.block_tables[request_id] = device
         self._num_registered[request_id] = 0
+
+    def take_rewritten(self) -> set[str]:
+        """Requests whose block table changed other than at its end (copy on write) since the
+        last call: a worker holding their old table must be sent the whole new one."""
+        rewritten, self._rewritten = self._rewritten, set()
+        return rewritten
 
     def take_transfers(self) -> BlockTransfers:
         transfers, self._transfers = self._transfers, BlockTransfers()

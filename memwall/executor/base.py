@@ -1,0 +1,47 @@
+"""Executor: the engine core's one handle on its workers.
+
+Every method takes and returns plain data (configs, ``SchedulerOutput``, ``RunnerOutput``),
+so an executor whose workers live in other processes can forward the same calls.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+from memwall.config import CacheConfig, EngineArgs, SchedulerConfig
+from memwall.core.step import RunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:  # the worker side imports torch; the core does not need it to type-check
+    from memwall.worker.kv_cache import KVCachePlan
+    from memwall.worker.worker import ModelInfo
+
+
+class Executor(ABC):
+    @abstractmethod
+    def load_model(self) -> "ModelInfo":
+        """Loads the model on every worker; returns its name and architecture."""
+
+    @abstractmethod
+    def determine_num_blocks(self, cache: CacheConfig, sched: SchedulerConfig) -> "KVCachePlan":
+        """How many KV blocks fit (the smallest answer over all workers)."""
+
+    @abstractmethod
+    def init_cache(self, plan: "KVCachePlan", max_num_seqs: int, max_model_len: int) -> None:
+        """Allocates the KV cache and prepares the step (CUDA graphs, CPU kernels)."""
+
+    @abstractmethod
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Runs one step on every worker; returns the (driver worker's) sampled tokens."""
+
+    def describe(self) -> str:
+        return ""
+
+    def shutdown(self) -> None:
+        pass
+
+
+def make_executor(args: EngineArgs) -> Executor:
+    from memwall.executor.uniproc import UniProcExecutor
+
+    return UniProcExecutor(args)

@@ -1,0 +1,41 @@
+"""FusedCpuDecode: the CPU twin of the CUDA-graph runner. A decode-only step (every sequence
+adds one token) runs all layers of the model in one call into C (memwall/kernels/cpu/decode.c):
+quantized matmuls, RMSNorm, rotary, paged attention over the blocks in place, SiLU.
+
+The runner asks ``can_run`` each step and otherwise calls the model, whose attention goes
+through the step's backend; both compute the same thing (tests/kernels/test_cpu_decode.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memwall.attention.metadata import AttentionMetadata
+
+
+class FusedCpuDecode:
+    use_native_decode = True
+    """Class-wide switch (tests and the quality benchmark turn the fused step off)."""
+
+    def __init__(self, model: torch.nn.Module, decoder) -> None:
+        self.model, self.decoder = model, decoder
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, kv_caches: list) -> "FusedCpuDecode | None":
+        """None when the C step cannot compute this model (not float32, a layer it lacks, no
+        compiler): the model's own forward then runs every step."""
+        from memwall.kernels.cpu.decode import NativeDecoder
+
+        decoder = NativeDecoder.build(model, kv_caches)
+        return cls(model, decoder) if decoder is not None else None
+
+    def can_run(self, attn: AttentionMetadata) -> bool:
+        return self.use_native_decode and not attn.prefill_seq_ids and attn.decode is not None
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            attn: AttentionMetadata) -> torch.Tensor:
+        """hidden [B, hidden] after the final norm, like the model's forward."""
+        batch = attn.decode
+        embeddings = self.model.model.embed_tokens(input_ids)  # [B, hidden]
+        return self.decoder.step(embeddings, positions, attn.slot_mapping, batch.seq_lens,
+                                 batch.block_tables)

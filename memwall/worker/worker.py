@@ -1,0 +1,103 @@
+"""Worker: one model replica on one device. The engine core talks to it only through the
+executor, with plain data: it never sees the model, the device or a tensor.
+
+    load_model()            -> ModelInfo (name, architecture)
+    determine_num_blocks()  -> KVCachePlan (free RAM on the CPU, a profiled pass on a GPU)
+    init_cache(plan)        -> KV tensors allocated, CUDA graphs captured / CPU kernels built
+    execute(SchedulerOutput) -> RunnerOutput
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from memwall.config import CacheConfig, EngineArgs, ModelArchConfig, SchedulerConfig
+from memwall.core.step import RunnerOutput, SchedulerOutput
+from memwall.loader.model_loader import LoadedModel, load_model
+from memwall.worker.device import (GpuMemoryProfile, kv_cache_dtype, loader_quantization,
+                                   place_model, profile_gpu_memory)
+from memwall.worker.kv_cache import KVCachePlan, plan_kv_cache
+from memwall.worker.runner import ModelRunner
+
+logger = logging.getLogger("memwall")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    arch: ModelArchConfig
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size
+
+    @property
+    def max_len(self) -> int:
+        """The longest context the model supports (its sliding window, if it has one)."""
+        model_len = self.arch.max_position_embeddings
+        if self.arch.sliding_window:
+            model_len = min(model_len, self.arch.sliding_window)
+        return model_len
+
+
+class Worker:
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
+        """``loaded``: a model already in memory (tests, benchmarks); else ``args.model`` loads."""
+        self.args = args
+        self.device_config = args.device_config(torch.cuda.is_available())
+        self.loaded = loaded
+        self.model: torch.nn.Module | None = None
+        self.runner: ModelRunner | None = None
+        self.gpu_memory: GpuMemoryProfile | None = None
+
+    def load_model(self) -> ModelInfo:
+        torch.set_num_threads(self.args.threads or default_threads())
+        dev = self.device_config
+        if self.loaded is None:
+            self.loaded = load_model(self.args.model, dev.dtype, self.args.tokenizer,
+                                     progress=self.args.show_progress,
+                                     quantization=loader_quantization(self.args.quantization))
+        self.model = place_model(self.loaded.model, dev, self.args.quantization)
+        return ModelInfo(self.loaded.name, self.loaded.arch)
+
+    def determine_num_blocks(self, cache: CacheConfig, sched: SchedulerConfig) -> KVCachePlan:
+        """The KV pool: on cuda without an explicit size, what a profiled forward pass leaves of
+        gpu_memory_utilization x the device's memory; elsewhere the configured budget."""
+        dev, arch, kv_dtype = self.device_config, self.loaded.arch, kv_cache_dtype(self.device_config)
+        if dev.is_cuda and cache.kv_cache_memory is None and cache.num_blocks is None:
+            from memwall.attention.backend import choose as choose_backend
+            self.gpu_memory = profile_gpu_memory(self.model, arch, sched, cache.block_size,
+                                                 kv_dtype, dev, choose_backend(dev.device))
+            cache = dataclasses.replace(cache, kv_cache_memory=self.gpu_memory.check())
+        return plan_kv_cache(arch, cache, kv_dtype, sched.max_num_seqs * sched.max_model_len)
+
+    def init_cache(self, plan: KVCachePlan, max_num_seqs: int, max_model_len: int) -> None:
+        dev = self.device_config
+        self.runner = ModelRunner(self.model, self.loaded.arch, plan, kv_cache_dtype(dev),
+                                  self.args.seed, dev, max_num_seqs, max_model_len)
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        return self.runner.execute(sched)
+
+    def describe(self) -> str:
+        """The device half of the start-up line."""
+        dev = self.device_config
+        parts = [self.runner.describe()] if self.runner is not None else []
+        if dev.kv_cache_dtype != "auto":
+            parts.append(f"KV cache {dev.kv_cache_dtype}")
+        if self.gpu_memory is not None:
+            parts.append(self.gpu_memory.describe())
+        return "; ".join(p for p in parts if p)
+
+
+def default_threads() -> int:
+    """The cores this process may run on (respects taskset/cgroup affinity)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
