@@ -12,6 +12,14 @@ from dataclasses import dataclass, replace
 # A temperature below this is treated as greedy: dividing logits by ~0 only makes NaNs.
 GREEDY_EPSILON = 1e-5
 
+# vLLM arguments memwall refuses by name (rather than "unexpected keyword"), with the reason.
+UNSUPPORTED = {
+    "spaces_between_special_tokens":
+        "memwall decodes with the `tokenizers` library, which has no such option: special tokens "
+        "are always joined to the text around them without spaces (as with False); remove the "
+        "argument",
+}
+
 
 @dataclass
 class SamplingParams:
@@ -48,9 +56,15 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Return this many top logprobs for each prompt position (plus the prompt token's own)."""
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
+    """Leave special tokens (EOS, <|im_end|>, ...) out of the returned text."""
     priority: int = 0
     """Lower runs first when the scheduler uses priorities (FCFS ignores it)."""
+
+    def __new__(cls, *args, **kwargs) -> "SamplingParams":
+        for name in UNSUPPORTED.keys() & kwargs.keys():
+            raise TypeError(f"SamplingParams({name}={kwargs[name]!r}) is not supported: "
+                            f"{UNSUPPORTED[name]}")
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from memwall.sampling_params import SamplingParams
 from memwall.tokenizer import IncrementalDetokenizer, Tokenizer
 
 # No emoji or CJK here, so those come out as several byte tokens.
@@ -92,6 +93,16 @@ def test_special_tokens_are_skipped_or_kept(tok: Tokenizer) -> None:
     output = tok.encode("over<|im_end|>", add_special_tokens=False)
     assert "".join(stream(tok, [], output)[0]) == "over"
     assert "".join(stream(tok, [], output, skip_special_tokens=False)[0]) == "over<|im_end|>"
+
+
+def test_spaces_between_special_tokens_is_refused_by_name(tok: Tokenizer) -> None:
+    # The `tokenizers` backend has no such option: kept special tokens touch their neighbours.
+    output = tok.encode("<|im_start|>over<|im_end|></s>", add_special_tokens=False)
+    text = "".join(stream(tok, [], output, skip_special_tokens=False)[0])
+    assert text == "<|im_start|>over<|im_end|></s>"
+    for value in (True, False):
+        with pytest.raises(TypeError, match=r"spaces_between_special_tokens=.*not supported.*remove"):
+            SamplingParams(spaces_between_special_tokens=value)
 
 
 # -- stop strings ---------------------------------------------------------------------------------

@@ -94,8 +94,3 @@ class BlockPool:
             del self.cached[block_hash]
             self.block_hash[block_id] = None
             self.num_evictions += 1
-
-    def reset_cache(self) -> None:
-        """Forgets every cached hash (blocks in use keep their contents, just not findable)."""
-        self.cached.clear()
-        self.block_hash = [None] * self.num_blocks
