@@ -1,11 +1,11 @@
-"""Triton kernels for the GPU backend: paged attention, KV writes, norm, rotary, activation.
+"""Triton kernels for the GPU backend: paged attention and KV writes.
 
 Modules (each a few kernels plus the Python launchers that check shapes and pick the grid):
 
     paged_attention.py   reshape_and_cache, prefill (varlen, causal, chunked) and decode (split-K)
-    norm.py              RMSNorm, optionally fused with the residual add
-    rotary.py            rotate-half RoPE, in place, cos/sin looked up by position
-    activation.py        SiLU(gate) * up on a fused gate_up tensor
+
+Norm, rotary and activation run as torch ops (memwall/layers/): fused Triton versions of them
+were removed because no model called them.
 
 Every module imports without triton installed and without CUDA: the kernels are then stubs
 that raise on call, and ``TRITON_AVAILABLE`` is False. On a machine without a GPU the kernels
