@@ -91,3 +91,10 @@ class Request:
         """Still owes prompt logprobs (they are computed once, even if the request is preempted)."""
         return (self.sampling_params.prompt_logprobs is not None
                 and len(self.prompt_logprobs) < self.num_prompt_tokens)
+
+    def tokens_from(self, start: int) -> list[int]:
+        """Known tokens from position ``start`` on (without copying the whole sequence)."""
+        prompt_len = self.num_prompt_tokens
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len:]
+        return self.prompt_token_ids[start:] + self.output_token_ids

@@ -58,10 +58,16 @@ class _Plan:
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    num_tokens: int = 0
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+    def add(self, chunk: ScheduledChunk) -> None:
+        self.chunks.append(chunk)
+        self.num_tokens += chunk.num_tokens
+
+    def drop(self, request: Request) -> None:
+        """A request preempted after it was planned loses its chunk."""
+        self.chunks = [c for c in self.chunks if c.request is not request]
+        self.num_tokens = sum(c.num_tokens for c in self.chunks)
 
 
 @dataclass
@@ -149,7 +155,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if self._reserve(request, num_new, plan):
-                plan.chunks.append(self._chunk(request, num_new))
+                plan.add(self._chunk(request, num_new))
         return self.config.max_num_batched_tokens - plan.num_tokens
 
     def _reserve(self, request: Request, num_new: int, plan: _Plan) -> bool:
@@ -159,7 +165,7 @@ class Scheduler:
             self._preempt(victim)
             plan.preempted.append(victim)
             # A victim scheduled earlier in this step (priority policy) loses its chunk too.
-            plan.chunks = [c for c in plan.chunks if c.request is not victim]
+            plan.drop(victim)
             if victim is request:
                 return False
         return True
@@ -193,7 +199,7 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            plan.chunks.append(self._chunk(request, num_new))
+            plan.add(self._chunk(request, num_new))
             budget -= num_new
 
     def _has_seq_slots(self, request: Request) -> bool:

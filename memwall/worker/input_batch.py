@@ -63,8 +63,36 @@ class RequestRows:
             self.remove(request_id)
         for new in sched.new_requests:
             self.add(new)
-        for cached in sched.cached_requests:
-            self.apply(cached)
+        if sched.cached_requests:
+            self.apply_all(sched.cached_requests)
+
+    def apply_all(self, cached: list[CachedRequestData]) -> None:
+        """Deltas of held requests. The usual decode case (one new token each) is a few
+        vectorized writes for the whole batch; new block ids and longer deltas go one by one."""
+        single = [c for c in cached if len(c.new_token_ids) == 1]
+        if len(single) != len(cached):
+            for c in cached:
+                if len(c.new_token_ids) != 1:
+                    self.apply(c)
+        if not single:
+            return
+        rows = np.fromiter((self.row_of[c.request_id] for c in single), np.int64, len(single))
+        counts = self.num_tokens[rows]
+        if int(counts.max()) + 1 > self.token_ids.shape[1]:
+            self._fit(int(counts.max()) + 1, 0)
+        self.token_ids[rows, counts] = [c.new_token_ids[0] for c in single]
+        self.num_tokens[rows] = counts + 1
+        self.num_computed[rows] = [c.num_computed_tokens for c in single]
+        for c in single:
+            if c.new_block_ids:
+                self._append_blocks(self.row_of[c.request_id], c.new_block_ids)
+
+    def _append_blocks(self, row: int, new_blocks: list[int]) -> None:
+        blocks = int(self.num_blocks[row])
+        if blocks + len(new_blocks) > self.block_table.shape[1]:
+            self._fit(0, blocks + len(new_blocks))
+        self.block_table[row, blocks:blocks + len(new_blocks)] = new_blocks
+        self.num_blocks[row] = blocks + len(new_blocks)
 
     def add(self, new: NewRequestData) -> None:
         """A request the worker does not hold yet (or holds stale: it is replaced)."""
@@ -85,18 +113,12 @@ class RequestRows:
 
     def apply(self, cached: CachedRequestData) -> None:
         row = self.row_of[cached.request_id]
-        count, blocks = int(self.num_tokens[row]), int(self.num_blocks[row])
-        new_tokens, new_blocks = cached.new_token_ids, cached.new_block_ids
-        if count + len(new_tokens) > self.token_ids.shape[1] or \
-                blocks + len(new_blocks) > self.block_table.shape[1]:
-            self._fit(count + len(new_tokens), blocks + len(new_blocks))
-        if len(new_tokens) == 1:  # the common decode case: a scalar write
-            self.token_ids[row, count] = new_tokens[0]
-        elif new_tokens:
-            self.token_ids[row, count:count + len(new_tokens)] = new_tokens
-        if new_blocks:
-            self.block_table[row, blocks:blocks + len(new_blocks)] = new_blocks
-            self.num_blocks[row] = blocks + len(new_blocks)
+        count, new_tokens = int(self.num_tokens[row]), cached.new_token_ids
+        if count + len(new_tokens) > self.token_ids.shape[1]:
+            self._fit(count + len(new_tokens), 0)
+        self.token_ids[row, count:count + len(new_tokens)] = new_tokens
+        if cached.new_block_ids:
+            self._append_blocks(row, cached.new_block_ids)
         self.num_tokens[row] = count + len(new_tokens)
         self.num_computed[row] = cached.num_computed_tokens
 

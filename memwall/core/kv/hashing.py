@@ -27,8 +27,14 @@ def hash_block(parent: BlockHash | None, token_ids: list[int], extra: tuple = ()
 
 
 def extend_block_hashes(hashes: list[BlockHash], token_ids: list[int], block_size: int,
-                        extra: tuple = ()) -> None:
-    """Appends the hashes of the full blocks of ``token_ids`` not yet in ``hashes``."""
-    for index in range(len(hashes), len(token_ids) // block_size):
+                        extra: tuple = (), start: int = 0) -> None:
+    """Appends the hashes of the full blocks of the sequence not yet in ``hashes``.
+
+    ``token_ids`` holds the sequence from token ``start`` on (0, or where the hashed blocks
+    end: a long sequence need not be copied whole to hash its newest block)."""
+    if start and start != len(hashes) * block_size:
+        raise ValueError(f"tokens from {start} given, but {len(hashes)} blocks are hashed")
+    for index in range(len(hashes), (start + len(token_ids)) // block_size):
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block(parent, token_ids[index * block_size:(index + 1) * block_size], extra))
+        first = index * block_size - start
+        hashes.append(hash_block(parent, token_ids[first:first + block_size], extra))

@@ -99,8 +99,9 @@ class KVCacheManager:
         done = self._num_registered.get(request.request_id, 0)
         if full <= done:
             return
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
-                            request.cache_extra_keys)
+        hashed = len(request.block_hashes) * self.block_size
+        extend_block_hashes(request.block_hashes, request.tokens_from(hashed), self.block_size,
+                            request.cache_extra_keys, hashed)
         for index in range(done, full):
             self.pool.register(table[index], request.block_hashes[index])
         self._num_registered[request.request_id] = full
