@@ -103,7 +103,7 @@ def make_engine(model, arch, device: str, dtype: str, max_seqs: int, max_len: in
                 budget: int, **kwargs) -> LLMEngine:
     args = EngineArgs(model="random", device=device, dtype=dtype, max_num_seqs=max_seqs,
                       max_model_len=max_len, max_num_batched_tokens=budget, **kwargs)
-    return LLMEngine(args, LoadedModel(model, arch, word_tokenizer(arch.vocab_size), "random"))
+    return LLMEngine.from_args(args, LoadedModel(model, arch, word_tokenizer(arch.vocab_size), "random"))
 
 
 def sync(device: str) -> None:
@@ -189,8 +189,9 @@ def engine_cases(model, arch, plan: Plan, device: str, dtype: str, copy_GBps: fl
     max_len = max(plan.prefill_len + 8, plan.prompt_len + plan.output_len)
     engine = make_engine(model, arch, device, dtype, max(plan.batches), max_len,
                          max(plan.prefill_len, 2048), **kwargs)
-    weights = linear_bytes(engine.runner.model)
-    kv_elem = engine.runner.kv_caches[0][0].element_size()
+    runner = engine.core.executor.worker.runner
+    weights = linear_bytes(runner.model)
+    kv_elem = runner.kv_caches[0][0].element_size()
     result = {"setup": engine.describe(), "weight_bytes_read_per_step": weights, "decode": []}
     decode_run(engine, 1, plan.prompt_len, 4, seed=99)  # warm-up: first-use costs
     for batch in plan.batches:
