@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from memwall.attention import paged_torch
-from memwall.attention.metadata import AttentionMetadata
+from memwall.attention.metadata import (AttentionMetadata, CpuAttentionMetadata,
+                                        TorchAttentionMetadata, TritonAttentionMetadata)
 
 BACKENDS = ("torch", "cpu", "triton")
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)
@@ -29,13 +30,14 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
 
 class AttentionBackend(ABC):
     name: str
+    metadata_type: type[AttentionMetadata]
 
     def build_metadata(self, query_lens: np.ndarray, seq_lens: np.ndarray,
                        block_tables: torch.Tensor, slot_mapping: torch.Tensor,
                        block_size: int) -> AttentionMetadata:
         """One step's metadata (block_tables [S, W] and slot_mapping [T] already on the device)."""
-        return AttentionMetadata.from_arrays(query_lens, seq_lens, block_tables, slot_mapping,
-                                             block_size, self.name)
+        return self.metadata_type.from_arrays(query_lens, seq_lens, block_tables, slot_mapping,
+                                              block_size, self.name)
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -55,6 +57,7 @@ class AttentionBackend(ABC):
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+    metadata_type = TorchAttentionMetadata
 
     def _write(self, k_cache, v_cache, k, v, meta) -> None:
         if k_cache.dtype in FP8_KV_DTYPES:
@@ -71,6 +74,7 @@ class CpuBackend(TorchBackend):
     """The reference with its one-token rows in C (float32 queries and cache only)."""
 
     name = "cpu"
+    metadata_type = CpuAttentionMetadata
 
     def forward(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
         native = q.dtype == torch.float32 and k_cache.dtype == torch.float32
@@ -80,6 +84,7 @@ class CpuBackend(TorchBackend):
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    metadata_type = TritonAttentionMetadata
 
     def _write(self, k_cache, v_cache, k, v, meta) -> None:
         from memwall.attention import triton_backend

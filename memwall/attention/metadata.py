@@ -86,6 +86,23 @@ class AttentionMetadata:
 
 
 @dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    """The reference backend's: ``decode`` holds a padded batch with an additive mask."""
+
+
+@dataclass
+class CpuAttentionMetadata(AttentionMetadata):
+    """The cpu backend's: ``decode`` holds each sequence's length and table, no padding mask
+    (the native kernel stops at each sequence's own length)."""
+
+
+@dataclass
+class TritonAttentionMetadata(AttentionMetadata):
+    """The triton backend's: no host-side decode batch; the device plans it needs are built
+    on first use and cached on it (memwall/attention/triton_backend.py)."""
+
+
+@dataclass
 class DecodeBatch:
     """The decode sequences of a step, prepared once and read by every layer.
 

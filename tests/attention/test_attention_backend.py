@@ -95,3 +95,29 @@ def test_fp8_cache_attention_is_close_to_float32(name):
     backend.write_kv(k8, v8, kd, vd, dec_meta)
     out = backend.paged_attention(torch.randn(3, 4, 16, device=DEVICE), k8, v8, dec_meta, 0.25)
     assert torch.isfinite(out).all()
+
+
+def test_each_backend_builds_its_own_metadata_and_the_cpu_backend_matches_the_reference():
+    import numpy as np
+
+    from memwall.attention.metadata import CpuAttentionMetadata, TorchAttentionMetadata
+
+    torch_b, cpu_b = backend.get_backend("torch"), backend.get_backend("cpu")
+    query_lens, seq_lens = np.array([13, 1, 1]), np.array([13, 4, 40])
+    tables = torch.tensor([t + [0] * (11 - len(t)) for t in TABLES])
+    slots = []
+    for q, s, t in zip(query_lens, seq_lens, TABLES):
+        slots += [t[p // BLOCK] * BLOCK + p % BLOCK for p in range(s - q, s)]
+    slots = torch.tensor(slots)
+    ref_meta = torch_b.build_metadata(query_lens, seq_lens, tables, slots, BLOCK)
+    cpu_meta = cpu_b.build_metadata(query_lens, seq_lens, tables, slots, BLOCK)
+    assert type(ref_meta) is TorchAttentionMetadata and type(cpu_meta) is CpuAttentionMetadata
+    assert ref_meta.decode.mask is not None and cpu_meta.decode.mask is None  # lengths differ
+    if not backend._native_available():
+        pytest.skip("the cpu backend's native kernels are not built here")
+    g = torch.Generator().manual_seed(1)
+    k_cache, v_cache = torch.randn(16, BLOCK, 2, 16, generator=g), torch.randn(16, BLOCK, 2, 16, generator=g)
+    q = torch.randn(15, 4, 16, generator=g)
+    ref = torch_b.forward(q, k_cache, v_cache, ref_meta, 0.25)
+    got = cpu_b.forward(q, k_cache, v_cache, cpu_meta, 0.25)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
