@@ -62,7 +62,8 @@ class ModelRunner:
 
     def describe(self) -> str:
         if self.device.type != "cuda":
-            return ""
+            fused = "; decode steps fused in C" if self.fast_path is not None else ""
+            return f"attention backend {self.backend}{fused}"
         return (f"CUDA graphs for decode batches {self.fast_path.buckets}" if self.fast_path
                 else "eager (no CUDA graphs)")
 
