@@ -13,14 +13,21 @@ Everything else talks to that thread through a command list guarded by a conditi
 Commands are applied *between* steps, so an abort frees its KV blocks before the next step runs.
 When there is nothing to do the thread sleeps on the condition: no busy spin. Each request has
 its own ``asyncio.Queue`` on the loop that created it, so thousands of streams share one thread.
+
+When a step raises (under ``memwall serve``: the engine core process died) the requests that
+were running end with EngineDeadError. Given a ``restart`` factory, the thread then builds a new
+engine (a new core process) while health reports 503, and goes on with the requests that were
+still queued; without one (or if restarting fails) the engine stays dead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -33,13 +40,18 @@ if TYPE_CHECKING:  # only for hints: tests drive this class with a fake engine
     from memwall.engine.llm_engine import LLMEngine
     from memwall.engine.processor import PromptType
 
+logger = logging.getLogger("memwall")
+RESTART_ATTEMPTS = 3
+"""Failed restarts in a row after which the engine stays dead."""
+
 
 class EngineClosedError(RuntimeError):
     """The engine is shutting down and takes no new requests (server: HTTP 503)."""
 
 
 class EngineDeadError(RuntimeError):
-    """A step raised; the engine state can no longer be trusted (server: HTTP 500, health 503)."""
+    """A step raised (or the core process died): the requests it was running are lost (server:
+    HTTP 500). The engine restarts when it can; health is 503 until it is back (or for good)."""
 
 
 @dataclass
@@ -87,8 +99,11 @@ class RequestStream:
 class AsyncLLMEngine:
     """Thread-safe, asyncio-facing wrapper: ``async for out in engine.generate(id, prompt, params)``."""
 
-    def __init__(self, engine: "LLMEngine") -> None:
+    def __init__(self, engine: "LLMEngine", restart: "Callable[[], LLMEngine] | None" = None) -> None:
+        """``restart``: builds a fresh engine after a failed step (same model, new core process)."""
         self.engine = engine
+        self._restart = restart
+        self._restarting: BaseException | None = None  # the failure being recovered from
         self._cond = threading.Condition()
         self._commands: list[_Add | _Abort] = []
         self._pending_adds = 0  # submitted adds not yet visible in the published stats
@@ -128,12 +143,28 @@ class AsyncLLMEngine:
             return self._stats.num_waiting + self._pending_adds
 
     @property
+    def processor(self):
+        """Chat templates and tokenization (pure: safe from any thread)."""
+        return self.engine.processor
+
+    @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._dead is None
+        return self.unavailable_reason is None
 
     @property
     def dead_error(self) -> BaseException | None:
         return self._dead
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        """Why the engine cannot serve now (health 503), or None when it can."""
+        if self._dead is not None:
+            return f"the engine stopped after an error: {self._dead}"
+        if self._restarting is not None:
+            return f"the engine is restarting after an error: {self._restarting}"
+        if self._thread is None or not self._thread.is_alive():
+            return "the engine is not running"
+        return None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -209,11 +240,17 @@ class AsyncLLMEngine:
 
     # ---- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
-        try:
-            while self._run_once():
-                pass
-        except BaseException as e:  # noqa: BLE001 - every waiter must hear about it, never a hang
-            self._die(e)
+        self._watch(self.engine)
+        while True:
+            try:
+                while self._run_once():
+                    pass
+                break
+            except BaseException as e:  # noqa: BLE001 - every waiter must hear about it, never a hang
+                if not self._recover(e):
+                    self._die(e)
+                    break
+        _close(self.engine)
 
     def _run_once(self) -> bool:
         """One round: apply commands, step, deliver. False when it is time to exit."""
@@ -224,21 +261,39 @@ class AsyncLLMEngine:
             commands += [_Abort(request_id) for request_id in self._streams]
         applied_adds = self._apply(commands)
         outputs: list[RequestOutput] = []
-        if self.engine.has_unfinished_requests():
+        if self._has_work():
             outputs = self.engine.step()
         self._dispatch(outputs)
         self._publish_stats(applied_adds)
         return True
 
+    def _has_work(self) -> bool:
+        """Unfinished requests, or a core that still owes news (the blocks an abort freed; its
+        own death)."""
+        core = getattr(self.engine, "core", None)
+        return self.engine.has_unfinished_requests() or (
+            core is not None and core.has_unfinished_requests())
+
     def _wait_for_work(self) -> list[_Add | _Abort] | None:
         """Sleeps until there are commands or unfinished requests; None when it is time to exit."""
         with self._cond:
-            while not self._commands and not self.engine.has_unfinished_requests():
+            while not self._commands and not self._has_work():
                 if self._stopping:  # drained: every request has finished
                     return None
                 self._cond.wait()
             commands, self._commands = self._commands, []
             return commands
+
+    def _wake(self) -> None:
+        """Wakes the engine thread (from any thread): e.g. the core process died while idle."""
+        with self._cond:
+            self._cond.notify()
+
+    def _watch(self, engine: "LLMEngine") -> None:
+        """A core in another process tells of its death at once (not at the next request)."""
+        core = getattr(engine, "core", None)
+        if hasattr(core, "on_death"):
+            core.on_death = self._wake
 
     def _apply(self, commands: list[_Add | _Abort]) -> int:
         adds = 0
@@ -270,25 +325,76 @@ class AsyncLLMEngine:
             _call_soon(loop, _deliver, items)
 
     def _publish_stats(self, applied_adds: int) -> None:
-        stats = self.engine.stats
+        # The core's own figures when it has them: an abort frees blocks without a step.
+        core = getattr(self.engine, "core", None)
+        stats = core.stats() if hasattr(core, "stats") else self.engine.stats
         with self._cond:  # together, so that num_waiting never counts a request twice or not at all
             self._stats = stats
             self._pending_adds -= applied_adds
 
+    # ---- failures --------------------------------------------------------------------------
+    def _recover(self, error: BaseException) -> bool:
+        """Ends the running requests and swaps in a new engine; the queued commands wait for
+        it. False when there is no restart to be had (then the caller lets the engine die)."""
+        if self._restart is None or self._stopping or not isinstance(error, Exception):
+            return False
+        logger.error("the engine failed (%s); restarting it", error)
+        with self._cond:
+            self._restarting = error
+        self._fail_streams(EngineDeadError(f"the engine failed while running this request "
+                                           f"({error}); it is restarting: retry the request"))
+        _close(self.engine)
+        engine = self._new_engine()
+        if engine is None:
+            return False
+        self._watch(engine)
+        with self._cond:
+            self.engine = engine
+            self._stats = engine.stats
+            self._pending_adds = sum(isinstance(c, _Add) for c in self._commands)
+            self._restarting = None
+        logger.info("the engine is back")
+        return True
+
+    def _new_engine(self) -> "LLMEngine | None":
+        for attempt in range(RESTART_ATTEMPTS):
+            if self._stopping:
+                return None
+            try:
+                return self._restart()
+            except Exception as e:  # noqa: BLE001 - logged; the next attempt may work
+                logger.error("restarting the engine failed (attempt %d of %d): %s", attempt + 1,
+                             RESTART_ATTEMPTS, e)
+                if attempt + 1 < RESTART_ATTEMPTS:
+                    time.sleep(attempt + 1.0)  # a moment for what failed (memory, a file) to recover
+        return None
+
     def _die(self, error: BaseException) -> None:
         with self._cond:
             self._dead = error
+            self._restarting = None
             commands, self._commands = self._commands, []
         failure = EngineDeadError(f"the engine stopped after an error: {error!r}")
         for command in commands:
             if isinstance(command, _Add):
                 _resolve(command.accepted, error=failure)
+        self._fail_streams(failure)
+
+    def _fail_streams(self, failure: EngineDeadError) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         for stream in self._streams.values():
             by_loop[stream.loop].append((stream.queue, failure))
         self._streams.clear()
         for loop, items in by_loop.items():
             _call_soon(loop, _deliver, items)
+
+
+def _close(engine: "LLMEngine") -> None:
+    """Shuts an engine down (its core process too); a failure here only gets logged."""
+    try:
+        engine.shutdown()
+    except Exception as e:  # noqa: BLE001 - nothing is left to save
+        logger.warning("shutting the engine down failed: %s", e)
 
 
 def _deliver(items: list) -> None:

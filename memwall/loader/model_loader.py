@@ -91,6 +91,18 @@ def load_model(model: str | os.PathLike | None, dtype: str = "float32",
         return LoadedModel(net, arch, tokenizer, name)
 
 
+def load_tokenizer(model: str | os.PathLike | None, tokenizer_path: str | None = None) -> Tokenizer:
+    """The tokenizer ``load_model`` would give, reading no weights (a GGUF's metadata only):
+    what the API process of ``memwall serve`` needs while the engine core loads the model."""
+    path = resolve_model_path(model)  # a bad model path fails here too, in one line
+    if tokenizer_path is not None:
+        return Tokenizer.from_pretrained(tokenizer_path)
+    if path.is_file():
+        from memwall.loader.gguf_loader import open_gguf
+        return Tokenizer.from_gguf(open_gguf(path))
+    return Tokenizer.from_pretrained(str(path))
+
+
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
 

@@ -6,6 +6,11 @@ With an API key, every /v1 route needs ``Authorization: Bearer <key>`` (else 401
 
 Shutdown (SIGTERM or Ctrl-C, handled by uvicorn): stop accepting connections, let open
 requests finish, then the lifespan hook drains and stops the engine thread.
+
+``memwall serve`` runs the engine core in a process of its own (memwall/engine/core_client.py):
+this process loads only the tokenizer. If the core dies, its running requests get a 500 (or an
+error event mid-stream), /health is 503 until a new core process has loaded, and requests that
+were still queued go on there.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import memwall
+from memwall.config import EngineArgs
 from memwall.engine.async_engine import AsyncLLMEngine
 from memwall.entrypoints.openai.errors import APIError, install_error_handlers
 from memwall.entrypoints.openai.metrics import HTTPMetricsMiddleware, ServerMetrics
@@ -109,8 +115,9 @@ def utility_routes(serving: OpenAIServing, metrics: ServerMetrics) -> APIRouter:
 
     @router.get("/health")
     async def health() -> Response:
-        if not engine.is_running:
-            raise APIError(503, f"the engine is not running ({engine.dead_error!r})")
+        reason = engine.unavailable_reason
+        if reason is not None:
+            raise APIError(503, reason, headers={"Retry-After": "1"})
         return JSONResponse({})
 
     @router.get("/metrics")
@@ -188,16 +195,38 @@ def run_server(args) -> int:
     """``memwall serve`` (args from the CLI parser; engine flags are already parsed there)."""
     import os
 
+    from memwall.engine.core_client import EngineCoreStartError
     from memwall.entrypoints.cli import engine_args_from
-    from memwall.engine.llm_engine import LLMEngine
 
     if args.model_path:
         args.engine_model = args.model_path
-    llm_engine = LLMEngine.from_args(engine_args_from(args))
-    print(f"memwall: {llm_engine.model_name}: {llm_engine.describe()}", file=sys.stderr, flush=True)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    engine_args = engine_args_from(args)
+    try:
+        engine = build_engine(engine_args, core_process=getattr(args, "core_process", True))
+    except EngineCoreStartError as e:
+        print(f"memwall: error: {e}", file=sys.stderr)
+        return 1
     names = args.served_model_name or []
     api_key = args.api_key or os.environ.get("MEMWALL_API_KEY") or None
     settings = ServerSettings(served_model_names=names, api_key=api_key, max_queue=args.max_queue)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    serve(AsyncLLMEngine(llm_engine), settings, args.host, args.port)
+    serve(engine, settings, args.host, args.port)
     return 0
+
+
+def build_engine(args: EngineArgs, core_process: bool = True) -> AsyncLLMEngine:
+    """The server's engine. With ``core_process`` the engine core runs in a process of its own,
+    restarted if it dies, and this process loads only the tokenizer; else all runs in here."""
+    from memwall.engine.llm_engine import LLMEngine
+
+    if not core_process:
+        return AsyncLLMEngine(LLMEngine.from_args(args))
+    from memwall.engine.core_client import MPCoreClient
+    from memwall.loader.model_loader import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model, args.tokenizer)
+
+    def start() -> LLMEngine:
+        return LLMEngine(MPCoreClient(args), tokenizer)
+
+    return AsyncLLMEngine(start(), restart=start)

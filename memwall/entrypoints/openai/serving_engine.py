@@ -101,26 +101,30 @@ class OpenAIServing:
 
     # ---- prompts ---------------------------------------------------------------------------
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation, as offline ``LLM.chat`` makes them: the template places
-        the special tokens, so encoding adds none. TokenizerError (400) for refused content."""
-        return self.tokenizer.encode(self.render_text(messages, add_generation_prompt),
-                                     add_special_tokens=False)
-
-    def render_text(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template([template_message(m) for m in messages],
-                                                  add_generation_prompt=add_generation_prompt)
+        """Token ids of a conversation, as offline ``LLM.chat`` makes them (``Processor.render_chat``:
+        the template places the special tokens). TokenizerError (400) for refused content."""
+        return self.engine.processor.render_chat([template_message(m) for m in messages],
+                                                 add_generation_prompt)
 
     def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt (text) or messages (a conversation)")
         if body.messages is not None:
-            text = self.render_text(body.messages, body.add_generation_prompt)
-            special = bool(body.add_special_tokens)
+            ids = self.render(body.messages, body.add_generation_prompt)
+            if body.add_special_tokens:
+                ids = self._with_bos(ids)
         else:
-            text, special = body.prompt, body.add_special_tokens is not False
-        ids = self.tokenizer.encode(text, add_special_tokens=special)
+            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
         return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids)
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
+        """BOS first, as ``encode(add_special_tokens=True)`` adds it: when the tokenizer wants
+        one, and never a second."""
+        tok = self.tokenizer
+        if tok.add_bos_token and not (ids and ids[0] == tok.bos_token_id):
+            return [tok.bos_token_id, *ids]
+        return ids
 
     def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(body.model)

@@ -1,8 +1,10 @@
 """A live memwall server on 127.0.0.1 (uvicorn in a background thread) over the tiny model.
 
-One server with an API key is shared by the whole folder (``server``); tests that need other
-limits start their own with ``LiveServer``. ``offline`` is a separate in-process ``LLM`` with the
-same engine settings: the oracle that greedy server outputs must equal.
+One server with an API key, its engine core in a process of its own as under ``memwall serve``,
+is shared by the whole folder (``server``); tests that need other limits start their own with
+``LiveServer`` (in-process by default, so they can reach into the engine). ``offline`` is a
+separate in-process ``LLM`` with the same engine settings: the oracle that greedy server outputs
+must equal.
 """
 
 from __future__ import annotations
@@ -30,15 +32,17 @@ class LiveServer:
 
     @classmethod
     def start(cls, model_dir, api_key: str | None = None, max_queue: int | None = None,
-              served_model_names: list[str] | None = None, **engine_args) -> "LiveServer":
+              served_model_names: list[str] | None = None, core_process: bool = False,
+              **engine_args) -> "LiveServer":
+        """``core_process``: the engine core in a process of its own, as under ``memwall serve``
+        (default: in this process, so tests can reach into it)."""
         from memwall.config import EngineArgs
-        from memwall.engine.async_engine import AsyncLLMEngine
-        from memwall.engine.llm_engine import LLMEngine
-        from memwall.entrypoints.openai.server import ServerSettings, build_app, server_socket, uvicorn_server
+        from memwall.entrypoints.openai.server import (ServerSettings, build_app, build_engine,
+                                                       server_socket, uvicorn_server)
 
         model = None if model_dir is None else str(model_dir)  # None: the embedded model
         args = EngineArgs(model=model, **{**ENGINE_ARGS, **engine_args})
-        engine = AsyncLLMEngine(LLMEngine.from_args(args))
+        engine = build_engine(args, core_process)
         settings = ServerSettings(served_model_names=served_model_names or [], api_key=api_key,
                                   max_queue=max_queue)
         server = uvicorn_server(build_app(engine, settings), log_level="warning")
@@ -91,7 +95,10 @@ def model_dir(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def server(model_dir):
-    live = LiveServer.start(model_dir, api_key=API_KEY, served_model_names=["tiny", "tiny-alias"])
+    # The engine core in its own process, as `memwall serve` runs it: every test through this
+    # server crosses the process boundary (and must equal the in-process `offline` oracle).
+    live = LiveServer.start(model_dir, api_key=API_KEY, served_model_names=["tiny", "tiny-alias"],
+                            core_process=True)
     yield live
     live.stop()
 

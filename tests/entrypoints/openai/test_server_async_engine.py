@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from memwall.engine.async_engine import AsyncLLMEngine, EngineClosedError, EngineDeadError
+from memwall.engine.protocol import EngineStats
 from memwall.engine.processor import InvalidRequestError
 from memwall.outputs import CompletionOutput, RequestOutput
 from memwall.sampling_params import SamplingParams
@@ -29,18 +30,17 @@ class FakeEngine:
         self.steps = 0
         self.fail_on_step = fail_on_step
         self.threads: set[int] = set()
-        self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0, stats=SimpleNamespace(
-            num_preemptions_recompute=0, num_preemptions_swap=0))
-        self.kv = SimpleNamespace(stats=SimpleNamespace(queries=0, hits=0),
-                                  pool=SimpleNamespace(num_evictions=0))
+        self.closed = False
         self.tokenizer = None
         self.model_name = "fake"
         self.max_model_len = 64
         self.processor = SimpleNamespace(vocab_size=10)
 
     @property
-    def num_free_blocks(self) -> int:
-        return self.num_total_blocks - len(self.requests)  # one block per live request
+    def stats(self) -> EngineStats:
+        # one block per live request
+        return EngineStats(num_running=len(self.requests), num_total_blocks=self.num_total_blocks,
+                           num_free_blocks=self.num_total_blocks - len(self.requests))
 
     def add_request(self, request_id, prompt, params):
         self.threads.add(threading.get_ident())
@@ -57,6 +57,10 @@ class FakeEngine:
 
     def has_unfinished_requests(self):
         return bool(self.requests)
+
+    def shutdown(self):
+        self.threads.add(threading.get_ident())
+        self.closed = True
 
     def step(self):
         self.threads.add(threading.get_ident())
@@ -196,3 +200,51 @@ def test_a_failing_step_fails_every_stream_and_later_adds():
 
     run(main())
     assert not engine.is_running
+
+
+def test_a_failed_step_ends_running_requests_and_a_restart_serves_the_next():
+    broken, fresh = FakeEngine(fail_on_step=3), FakeEngine()
+    engine = AsyncLLMEngine(broken, restart=lambda: (time.sleep(0.2), fresh)[1])
+    engine.start()
+
+    async def main():
+        with pytest.raises(EngineDeadError, match="restarting"):
+            async for _ in engine.generate("a", "hi", SamplingParams(max_tokens=10)):
+                pass
+        assert not engine.is_running and "restarting" in engine.unavailable_reason
+        # Sent while the new engine starts: it waits for it, and is not lost.
+        outs = [o async for o in engine.generate("b", "hi", SamplingParams(max_tokens=3))]
+        assert engine.is_running and engine.unavailable_reason is None
+        await engine.shutdown()
+        return outs
+
+    outs = run(main())
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == [7, 7, 7]
+    assert broken.closed and fresh.closed and engine.engine is fresh
+    assert engine.num_waiting == 0
+
+
+def test_when_restarting_fails_the_engine_stays_dead(monkeypatch):
+    import memwall.engine.async_engine as async_engine
+
+    monkeypatch.setattr(async_engine, "RESTART_ATTEMPTS", 1)
+
+    def restart():
+        raise ValueError("no memory left")
+
+    engine = AsyncLLMEngine(FakeEngine(fail_on_step=2), restart=restart)
+    engine.start()
+
+    async def main():
+        with pytest.raises(EngineDeadError):
+            async for _ in engine.generate("a", "hi", SamplingParams(max_tokens=10)):
+                pass
+        for _ in range(100):
+            if engine.dead_error is not None:
+                break
+            await asyncio.sleep(0.01)
+        with pytest.raises(EngineDeadError):
+            await engine.add_request("b", "hi", SamplingParams())
+
+    run(main())
+    assert "stopped" in engine.unavailable_reason

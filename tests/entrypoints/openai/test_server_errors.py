@@ -204,7 +204,8 @@ def test_memwall_serve_drains_running_requests_on_sigterm(model_dir):
         events = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
         assert rest[-1] == "data: [DONE]"
         assert events[-1]["choices"][0]["finish_reason"] == "length"  # drained, not cut off
-        assert sum(len(e["choices"][0]["text"]) > 0 for e in events) > 100
+        # 200 tokens' text (as events: fewer when the API side merged steps the core ran ahead on)
+        assert sum(len(e["choices"][0]["text"]) for e in events) > 100
         # uvicorn re-raises the signal once it has shut down cleanly: "killed by SIGTERM" is expected.
         assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
     finally:

@@ -96,7 +96,8 @@ def test_first_token_is_streamed_before_the_rest_is_generated(server):
             for line in response.iter_lines():
                 if line.startswith("data: {"):
                     stamps.append(time.perf_counter() - start)
-    assert len(stamps) >= 300
+    # One event per step; a core process that ran ahead of this side has its steps merged.
+    assert len(stamps) >= 30
     # Each event is flushed as it is produced: the first arrives long before the last.
     assert stamps[0] < stamps[-1] / 4
 
