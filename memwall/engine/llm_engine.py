@@ -102,13 +102,16 @@ class LLMEngine:
             self.core.abort_requests(ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.outputs.has_unfinished
+        """Requests the API side waits on, or work the core still owes (an abort's freeing)."""
+        return self.outputs.has_unfinished or self.core.has_unfinished_requests()
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         core_outputs = self.core.step() if self.core.has_unfinished_requests() else None
         if core_outputs is not None:
             self.stats = core_outputs.stats
+        elif hasattr(self.core, "stats"):  # nothing ran: an abort may still have freed blocks
+            self.stats = self.core.stats()
         outputs, stopped = self.outputs.process(core_outputs.outputs if core_outputs else [])
         if stopped:  # a stop string, found here in the text: the core must stop them too
             self.core.abort_requests(stopped)

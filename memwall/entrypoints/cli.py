@@ -70,6 +70,9 @@ def add_serve_parser(sub) -> None:
                        help="most waiting requests; more get 429 with Retry-After (default: no limit)")
     serve.add_argument("--served-model-name", action="append", default=None,
                        help="model name clients use (repeatable; default: the model's own)")
+    serve.add_argument("--core-process", action=argparse.BooleanOptionalAction, default=True,
+                       help="run the engine core in a process of its own, restarted if it dies "
+                            "(default); --no-core-process runs it in the server's process")
     add_engine_flags(serve)
     serve.set_defaults(run=run_serve)
 
