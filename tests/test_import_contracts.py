@@ -35,13 +35,15 @@ def contracts() -> dict[str, configparser.SectionProxy]:
     parser = configparser.ConfigParser()
     parser.read(CONFIG)
     prefix = "importlinter:contract:"
-    return {name[len(prefix):]: parser[name] for name in parser.sections() if name.startswith(prefix)}
+    return {name.removeprefix(prefix): parser[name] for name in parser.sections()
+            if name.startswith(prefix)}
 
 
 @pytest.mark.parametrize("contract_id", sorted(contracts()))
 def test_contract_is_kept(contract_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)  # lint_imports puts the working directory on sys.path
-    status = lint_imports(str(CONFIG), limit_to_contracts=(contract_id,), no_cache=True, no_logo=True)
+    status = lint_imports(str(CONFIG), limit_to_contracts=(contract_id,), no_cache=True,
+                          no_logo=True)
     assert status == 0, f"contract {contract_id!r} is broken: the report above shows the imports"
 
 
@@ -88,7 +90,8 @@ def test_every_contract_catches_a_planted_violation(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-c", RUN_EACH, *PLANTED], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=120)
     report = result.stdout + result.stderr
-    statuses = dict(line.split()[1:] for line in result.stdout.splitlines() if line.startswith("STATUS "))
+    statuses = dict(line.split()[1:] for line in result.stdout.splitlines()
+                    if line.startswith("STATUS "))
     assert set(statuses) == set(PLANTED), report
     for contract_id, violation in expected.items():
         assert statuses[contract_id] != "0", f"{contract_id} missed `{violation}`:\n{report}"
