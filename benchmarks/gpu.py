@@ -8,7 +8,7 @@ the whole engine (benchmarks/gpu_engine.py: decode tok/s at B=1/64/128 in bf16 a
 
 Shapes: 32 query heads on 8 KV heads, head_dim 128, hidden 4096, intermediate 14336, KV block
 16, bfloat16; one layer per call. For every case the same run times the Triton kernel and its
-torch baseline (memwall/attention/paged_torch.py, memwall/layers/*) on the same inputs, after
+torch baseline (memwall/attention/paged_torch.py) on the same inputs, after
 checking that they agree (relative-norm error), and reports:
 
     ms        median of triton.testing.do_bench (L2 flushed before every call)
@@ -39,9 +39,7 @@ import torch  # noqa: E402
 from memwall.attention import paged_torch, triton_backend  # noqa: E402
 from memwall.attention.metadata import AttentionMetadata  # noqa: E402
 from memwall.kernels.triton import TRITON_AVAILABLE  # noqa: E402
-from memwall.kernels.triton import activation, norm, paged_attention as pa, rotary  # noqa: E402
-from memwall.layers.norm import RMSNorm  # noqa: E402
-from memwall.layers.rotary import RotaryEmbedding  # noqa: E402
+from memwall.kernels.triton import paged_attention as pa  # noqa: E402
 from benchmarks.report import write_result  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
@@ -159,48 +157,6 @@ def write_kv_case(tokens: int) -> dict:
     return row(f"write_kv T={tokens}", t_ms, r_ms, 4 * k.numel() * k.element_size(), 0.0, err)
 
 
-def norm_case(tokens: int) -> dict:
-    layer = RMSNorm(HIDDEN, 1e-5).to("cuda", DTYPE)
-    x = torch.randn(tokens, HIDDEN, device="cuda", dtype=DTYPE)
-    res = torch.randn_like(x)
-
-    def reference():
-        h = x + res
-        return layer(h), h
-
-    err = rel_err(norm.fused_add_rms_norm(x, res, layer.weight, 1e-5)[0], reference()[0])
-    t_ms = bench_ms(lambda: norm.fused_add_rms_norm(x, res, layer.weight, 1e-5))
-    return row(f"add+rmsnorm T={tokens}", t_ms, bench_ms(reference),
-               4 * x.numel() * x.element_size(), 0.0, err)
-
-
-def rotary_case(tokens: int) -> dict:
-    rope = RotaryEmbedding(HEAD_DIM, 8192, 500000.0).to("cuda")
-    positions = torch.randint(0, 8192, (tokens,), device="cuda")
-    q = torch.randn(tokens, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-    k = torch.randn(tokens, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-    ref_q, _ = RotaryEmbedding.apply(rope.lookup(positions, q.dtype), q, k)
-    out_q, _ = rotary.apply_rotary_(q.clone(), k.clone(), rope.cos, rope.sin, positions)
-    err = rel_err(out_q, ref_q)
-    t_ms = bench_ms(lambda: rotary.apply_rotary_(q, k, rope.cos, rope.sin, positions))
-    r_ms = bench_ms(lambda: RotaryEmbedding.apply(rope.lookup(positions, q.dtype), q, k))
-    nbytes = 2 * (q.numel() + k.numel()) * q.element_size()
-    return row(f"rotary T={tokens}", t_ms, r_ms, nbytes, 0.0, err)
-
-
-def activation_case(tokens: int) -> dict:
-    gate_up = torch.randn(tokens, 2 * INTER, device="cuda", dtype=DTYPE)
-
-    def reference():
-        gate, up = gate_up.chunk(2, dim=-1)
-        return torch.nn.functional.silu(gate) * up
-
-    err = rel_err(activation.silu_and_mul(gate_up), reference())
-    t_ms = bench_ms(lambda: activation.silu_and_mul(gate_up))
-    return row(f"silu_and_mul T={tokens}", t_ms, bench_ms(reference),
-               3 * tokens * INTER * gate_up.element_size(), 0.0, err)
-
-
 # ---- report ------------------------------------------------------------------------------------
 def row(name: str, triton_ms: float, torch_ms: float, nbytes: float, flops: float, err: float,
         **extra) -> dict:
@@ -223,7 +179,7 @@ def run(quick: bool) -> dict:
     ceil = ceilings()
     rows = attention_cases(quick)
     for tokens in ([256] if quick else [256, 4096]):
-        rows += [write_kv_case(tokens), norm_case(tokens), rotary_case(tokens), activation_case(tokens)]
+        rows.append(write_kv_case(tokens))
     print_table(rows, ceil)
     import triton
 
