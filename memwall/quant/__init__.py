@@ -1,7 +1,7 @@
 """Weight-only quantization for CPU: weights stay int4/int8 in memory, matmuls read them as is.
 
     base.py         QuantMethod (per-layer strategy) and QuantLinear (the drop-in module)
-    native.py       our fp32 C kernels, built on first use with the system compiler (optional)
+    native.py       the old import path of memwall/kernels/cpu/quant_ops.py (fp32 C kernels)
     int4_cpu.py     NativeQ4 (native), Int4WeightOnly (torch's bf16 tinygemm op, the fallback)
     int8_cpu.py     NativeQ8 (native), Int8WeightOnly (torch's bf16 int8 op, the fallback)
     gguf_repack.py  raw GGUF blocks -> those layouts, no float copy

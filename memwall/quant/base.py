@@ -15,9 +15,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from memwall.kernels.cpu.layout import PackedWeight
 
 
 @dataclass
@@ -62,6 +66,11 @@ class QuantMethod(ABC):
         gate/up into one matmul); None when this method cannot join these parts."""
         return None
 
+    def native_weight(self, layer: "QuantLinear", bias: torch.Tensor | None) -> "PackedWeight | None":
+        """The layer's weight (with ``bias``) in a layout memwall/kernels/cpu reads, for the
+        fused decode step; None when the kernels cannot read this method's tensors."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -100,6 +109,11 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
+
+    def native_parts(self) -> "list[PackedWeight] | None":
+        """How memwall/kernels/cpu reads this layer (layout.py ``describe``), or None."""
+        weight = self.method.native_weight(self, self.bias)
+        return None if weight is None else [weight]
 
     def weight_nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())

@@ -1,6 +1,6 @@
 """Raw GGUF blocks -> the layouts our CPU kernels read, without a float copy of the weight.
 
-Two backends (``backend=`` "auto" picks native when memwall/quant/native.py could be built):
+Two backends (``backend=`` "auto" picks native when memwall/kernels/cpu could be built):
 
 native (fp32, exact): every weight is rebuilt as s * q + c with ggml's own fp32 arithmetic
     Q4_0 / Q4_1 / Q4_K  -> NativeQ4: 4-bit codes, s and c per 32 values      0.75 B/weight
@@ -200,11 +200,11 @@ def use_native(backend: str) -> bool:
         raise ValueError(f"quantization backend {backend!r}: use 'auto', 'native' or 'torch'")
     if backend == "torch":
         return False
-    from memwall.quant import native
-    if backend == "native" and not native.available():
+    from memwall.kernels.cpu.build import available
+    if backend == "native" and not available():
         raise RuntimeError("memwall's native quantized kernels are not available (no C compiler, "
                            "or MEMWALL_NATIVE=0); use backend 'torch' or 'auto'")
-    return native.available()
+    return available()
 
 
 # --------------------------------------------------------------------------- a whole file

@@ -1,5 +1,5 @@
 """Group-wise int4 weights for CPU: ``Int4WeightOnly`` on torch's tinygemm op (bf16), and
-``NativeQ4`` on memwall's own fp32 kernel (native.py, used when it could be built).
+``NativeQ4`` on memwall's own fp32 kernel (memwall/kernels/cpu, used when it could be built).
 
 One "plane" is what ``torch.ops.aten._weight_int4pack_mm_for_cpu`` multiplies:
 
@@ -26,6 +26,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from memwall.kernels.cpu import quant_ops
+from memwall.kernels.cpu.layout import PackedWeight
 from memwall.quant.base import QuantLinear, QuantMethod, QuantWeights, stack_rows
 
 GROUP_SIZES = (32, 64, 128, 256)
@@ -231,8 +233,8 @@ class Int4WeightOnly(QuantMethod):
 # --------------------------------------------------------------------------- our own fp32 kernel
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """Codes [N, K] (0..15) -> [N, K/2] uint8 in native.py's q4 layout (per 32-value block,
-    byte j = q[j] | q[j+16] << 4: the layout of ggml's Q4_0/Q4_1 blocks)."""
+    """Codes [N, K] (0..15) -> [N, K/2] uint8 in the kernels' q4 layout (memwall/kernels/cpu/
+    layout.py; per 32-value block, byte j = q[j] | q[j+16] << 4: ggml's Q4_0/Q4_1 blocks)."""
     n, k = q.shape
     b = q.to(torch.uint8).reshape(n, k // 32, 2, 16)
     return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
@@ -240,7 +242,7 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
 
 class NativeQ4(QuantMethod):
     """4-bit codes in 32-value blocks, w = s * q + c with fp32 s and c, computed in fp32 by
-    memwall/quant/native.py (bit-identical weights to the GGUF reference dequantizer)."""
+    memwall/kernels/cpu (bit-identical weights to the GGUF reference dequantizer)."""
 
     name = "int4"
 
@@ -263,6 +265,9 @@ class NativeQ4(QuantMethod):
         return stack_rows(self, parts)
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-        from memwall.quant import native
-        y = native.q4_matmul(x.float().contiguous(), layer.codes, layer.s, layer.c)  # [T, out]
+        y = quant_ops.q4_matmul(x.float().contiguous(), layer.codes, layer.s, layer.c)  # [T, out]
         return y.to(x.dtype)
+
+    def native_weight(self, layer: QuantLinear, bias: torch.Tensor | None) -> PackedWeight:
+        return PackedWeight("q4", 32, layer.out_features, layer.in_features, layer.codes,
+                            layer.s, layer.c, bias)

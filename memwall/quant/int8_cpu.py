@@ -1,6 +1,6 @@
 """Int8 weights for CPU: ``Int8WeightOnly`` (per output channel) on
 ``torch.ops.aten._weight_int8pack_mm`` (bf16), and ``NativeQ8`` (a scale and offset per group)
-on memwall's own fp32 kernel (native.py, used when it could be built).
+on memwall's own fp32 kernel (memwall/kernels/cpu, used when it could be built).
 
     w[n, k] = q[n, k] * scale[n]          q in -127..127
 
@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from memwall.kernels.cpu import quant_ops
+from memwall.kernels.cpu.layout import PackedWeight
 from memwall.quant.base import QuantLinear, QuantMethod, QuantWeights, stack_rows
 from memwall.quant.int4_cpu import DEQUANT_MIN_TOKENS, _to_bf16_up
 
@@ -66,7 +68,7 @@ class Int8WeightOnly(QuantMethod):
 
 class NativeQ8(QuantMethod):
     """8-bit codes with a float scale and offset per group of ``G`` inputs (w = s * q + c),
-    computed in fp32 by memwall/quant/native.py. For float checkpoints G = in_features
+    computed in fp32 by memwall/kernels/cpu. For float checkpoints G = in_features
     (per-channel); GGUF Q8_0/Q5_K use G = 32 and Q6_K G = 16, exactly."""
 
     name = "int8"
@@ -94,6 +96,9 @@ class NativeQ8(QuantMethod):
         return stack_rows(self, parts)  # also refuses parts with other group sizes
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-        from memwall.quant import native
-        y = native.q8_matmul(x.float().contiguous(), layer.codes, layer.s, layer.c)  # [T, out]
+        y = quant_ops.q8_matmul(x.float().contiguous(), layer.codes, layer.s, layer.c)  # [T, out]
         return y.to(x.dtype)
+
+    def native_weight(self, layer: QuantLinear, bias: torch.Tensor | None) -> PackedWeight:
+        return PackedWeight("q8", layer.in_features // layer.s.shape[1], layer.out_features,
+                            layer.in_features, layer.codes, layer.s, layer.c, bias)

@@ -6,20 +6,26 @@ a decode step for small models. Float embeddings are never quantized (a lookup r
 a step, so quantizing saves memory but no time, and would change the model); an embedding that
 a GGUF file already stores quantized becomes a ``QuantEmbedding`` (memwall/quant/embedding.py),
 sharing a tied head's buffers, when ``gguf_raw`` names it ``model.embed_tokens``.
+
+Quantize before fusing: the loader quantizes the checkpoint's own Linears (q_proj, k_proj, ...)
+and the model's ``fuse_projections()`` then joins them with ``concat_quantized``, the one place
+quantized layers are joined.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from memwall.quant.base import QuantLinear, QuantMethod, QuantWeights
 
+if TYPE_CHECKING:
+    from memwall.kernels.cpu.layout import PackedWeight
 
-# fused layers (models/llama.py fuse_projections) and the checkpoint layers they join, in row order
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
 EMBEDDING = "model.embed_tokens"
 
 
@@ -70,14 +76,12 @@ def quantize_model(model: nn.Module, method: QuantMethod | str | None,
                    include_lm_head: bool = True) -> QuantizeReport:
     """Replace ``model``'s Linear layers by quantized ones, in place; returns what changed.
 
-    A layer named in ``gguf_raw`` (from ``gguf_quantized_linears``) takes those weights and
-    keeps its own bias. A fused layer (``qkv_proj``, ``gate_up_proj``: see FUSED) takes its
-    parts' GGUF weights joined along the output rows, or, when their types cannot be joined
-    (e.g. Q4_K q/k with a Q6_K v), a ``ConcatLinear`` of the parts. Any other Linear is
-    quantized from its float weight by ``method`` (a QuantMethod, ``"int8"``, ``"int4"``, or
-    None to leave it float); shapes ``method`` cannot hold stay float. ``gguf_raw``'s
-    ``model.embed_tokens`` (see EMBEDDING) replaces the embedding by a ``QuantEmbedding``.
-    Call after loading.
+    A layer named in ``gguf_raw`` (from ``gguf_quantized_linears``: the checkpoint's module
+    names) takes those weights and keeps its own bias. Any other Linear is quantized from its
+    float weight by ``method`` (a QuantMethod, ``"int8"``, ``"int4"``, or None to leave it
+    float); shapes ``method`` cannot hold stay float. ``gguf_raw``'s ``model.embed_tokens``
+    (see EMBEDDING) replaces the embedding by a ``QuantEmbedding``. Call after loading and
+    before ``fuse_projections()`` (which joins quantized parts with ``concat_quantized``).
     """
     if isinstance(method, str):
         method = get_quant_method(method)
@@ -94,55 +98,37 @@ def quantize_model(model: nn.Module, method: QuantMethod | str | None,
         if name == "lm_head" and not include_lm_head:
             report.kept_float.append(name)
             continue
-        new, source, parts = _quantized(name, module, method, gguf_raw)
+        new, source = _quantized(name, module, method, gguf_raw)
         if new is None:
             report.kept_float.append(name)
             continue
         _replace(model, name, new)
-        used.update(parts)
+        used.add(name)
         report.quantized[name] = source
         report.float_bytes += module.weight.numel() * module.weight.element_size()
         report.quant_bytes += sum(b.numel() * b.element_size() for b in new.buffers())
     missing = set(gguf_raw) - used - ({"lm_head"} if not include_lm_head else set())
     if missing:
-        raise ValueError(f"GGUF quantized weights {sorted(missing)[:3]} match no Linear of the model")
+        raise ValueError(f"GGUF quantized weights {sorted(missing)[:3]} match no Linear of the "
+                         f"model (they name the checkpoint's layers: quantize before "
+                         f"fuse_projections() joins q/k/v and gate/up)")
     return report
 
 
 def _quantized(name: str, linear: nn.Linear, method: QuantMethod | None,
-               gguf_raw: dict[str, QuantWeights]) -> tuple[nn.Module | None, str, list[str]]:
-    """(replacement module or None, its source, the gguf_raw names it consumed)."""
-    parts = _gguf_parts(name, gguf_raw)
-    if parts:
-        weights = [gguf_raw[p] for p in parts]
-        _check_rows(name, linear, weights)
-        joined = weights[0] if len(weights) == 1 else weights[0].method.concat(weights)
-        bias = linear.bias
-        if joined is not None:
-            return QuantLinear(joined, bias), joined.source, parts
-        modules = [QuantLinear(w) for w in weights]
-        return ConcatLinear(modules, bias), " | ".join(w.source for w in weights), parts
-    if method is None or not method.supports(linear.out_features, linear.in_features):
-        return None, "", []
-    weights = method.create_weights(linear.weight.detach())
-    return QuantLinear(weights, linear.bias), weights.source, []
-
-
-def _gguf_parts(name: str, gguf_raw: dict[str, QuantWeights]) -> list[str]:
-    """The gguf_raw names that make up module ``name``: itself, or a fused layer's parts."""
+               gguf_raw: dict[str, QuantWeights]) -> tuple[QuantLinear | None, str]:
+    """(replacement module or None, its source)."""
     if name in gguf_raw:
-        return [name]
-    prefix, _, leaf = name.rpartition(".")
-    parts = [f"{prefix}.{p}" if prefix else p for p in FUSED.get(leaf, ())]
-    return parts if parts and all(p in gguf_raw for p in parts) else []
-
-
-def _check_rows(name: str, linear: nn.Linear, weights: list[QuantWeights]) -> None:
-    rows = sum(w.out_features for w in weights)
-    if rows != linear.out_features or any(w.in_features != linear.in_features for w in weights):
-        got = " + ".join(f"{w.out_features}x{w.in_features}" for w in weights)
-        raise ValueError(f"GGUF weight for {name!r} is {got}, the model's Linear is "
-                         f"{linear.out_features}x{linear.in_features}")
+        weights = gguf_raw[name]
+        if (weights.out_features, weights.in_features) != (linear.out_features, linear.in_features):
+            raise ValueError(f"GGUF weight for {name!r} is {weights.out_features}x"
+                             f"{weights.in_features}, the model's Linear is "
+                             f"{linear.out_features}x{linear.in_features}")
+        return QuantLinear(weights, linear.bias), weights.source
+    if method is None or not method.supports(linear.out_features, linear.in_features):
+        return None, ""
+    weights = method.create_weights(linear.weight.detach())
+    return QuantLinear(weights, linear.bias), weights.source
 
 
 class ConcatLinear(nn.Module):
@@ -159,6 +145,15 @@ class ConcatLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.cat([p(x) for p in self.parts], dim=-1)  # [..., out]
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def native_parts(self) -> "list[PackedWeight] | None":
+        """Each part as memwall/kernels/cpu reads it, with its slice of the bias; None unless
+        the kernels can read every part."""
+        sizes = [p.out_features for p in self.parts]
+        biases = (torch.split(self.bias.detach(), sizes) if self.bias is not None
+                  else [None] * len(sizes))
+        parts = [p.method.native_weight(p, b) for p, b in zip(self.parts, biases)]
+        return None if any(w is None for w in parts) else parts
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:

@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from memwall.attention.metadata import AttentionMetadata
+from memwall.kernels.cpu import quant_ops
 from memwall.kernels.cpu.decode import NativeDecoder, paged_decode_attention
 from memwall.loader.model_loader import load_model
-from memwall.quant import native, quantize_model
+from memwall.quant import quantize_model
+from memwall.worker.cpu_decode import FusedCpuDecode
 from memwall.worker.kv_cache import KVCachePlan, allocate_kv_cache
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: native kernels not built")
+pytestmark = pytest.mark.skipif(not quant_ops.available(), reason="no C compiler: native kernels not built")
 BLOCK = 4
 
 
@@ -33,8 +35,6 @@ def _scattered_tables(lengths: list[int], num_blocks: int, seed: int) -> list[li
 def _run_steps(model, arch, prompts: list[list[int]], steps: int, native_decode: bool):
     """Prefill every prompt (torch path), then `steps` batched greedy decode steps; returns the
     hidden states of each decode step and the final caches."""
-    model.use_native_decode = native_decode
-    model._native = None
     total = [len(p) + steps for p in prompts]
     tables = _scattered_tables(total, sum(-(-n // BLOCK) for n in total) + 3, seed=1)
     caches = allocate_kv_cache(arch, KVCachePlan(len(tables) and max(max(t) for t in tables) + 1,
@@ -47,9 +47,16 @@ def _run_steps(model, arch, prompts: list[list[int]], steps: int, native_decode:
     ends = torch.tensor(meta.query_start[1:]) - 1
     tokens = model.compute_logits(hidden[ends]).argmax(-1)
     outs = []
+    fused = FusedCpuDecode.build(model, caches) if native_decode else None
+    if native_decode:
+        assert fused is not None, "the native decoder did not accept this model"
     for _ in range(steps):
         meta = AttentionMetadata.build([1] * len(prompts), [n + 1 for n in lens], tables, BLOCK)
-        hidden = model(tokens, torch.tensor(lens), caches, meta)
+        if fused is not None:  # the runner's fast path: all layers in one C call
+            assert fused.can_run(meta)
+            hidden = fused.run(tokens, torch.tensor(lens), meta)
+        else:  # the model's forward on the torch reference backend
+            hidden = model(tokens, torch.tensor(lens), caches, meta)
         outs.append(hidden.clone())
         tokens = model.compute_logits(hidden).argmax(-1)
         lens = [n + 1 for n in lens]
@@ -73,7 +80,6 @@ def test_native_decode_matches_torch(tiny_model_dir, kind, quant):
     prompts = _prompts(loaded.arch.vocab_size)
     ref, ref_caches = _run_steps(model, loaded.arch, prompts, 6, native_decode=False)
     got, got_caches = _run_steps(model, loaded.arch, prompts, 6, native_decode=True)
-    assert model._native[1] is not None, "the native decoder did not accept this model"
     for a, b in zip(ref, got):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
     for (rk, rv), (gk, gv) in zip(ref_caches, got_caches):  # same K/V written to the same slots
@@ -87,7 +93,6 @@ def test_native_decode_on_the_embedded_gguf(gguf_path):
     prompts = _prompts(loaded.arch.vocab_size, (12, 30, 7))
     ref, _ = _run_steps(loaded.model, loaded.arch, prompts, 8, native_decode=False)
     got, _ = _run_steps(loaded.model, loaded.arch, prompts, 8, native_decode=True)
-    assert loaded.model._native[1] is not None
     for a, b in zip(ref, got):
         torch.testing.assert_close(b, a, atol=2e-4, rtol=2e-4)
 
@@ -124,7 +129,7 @@ def test_mixed_step_decode_rows_use_the_native_kernel():
     g = torch.Generator().manual_seed(7)
     query_lens, seq_lens = [1, 5, 1, 1], [9, 12, 3, 14]
     tables = _scattered_tables(seq_lens, 20, seed=2)
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK)
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK, backend="cpu")
     k_cache = torch.randn(20, BLOCK, 2, 8, generator=g)
     v_cache = torch.randn(20, BLOCK, 2, 8, generator=g)
     q = torch.randn(sum(query_lens), 4, 8, generator=g)

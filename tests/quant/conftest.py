@@ -4,14 +4,14 @@ their own tests in test_int8_dot.py."""
 
 import pytest
 
-from memwall.quant import native
+from memwall.kernels.cpu import quant_ops
 
 
 @pytest.fixture(autouse=True)
 def exact_kernels(request):
-    if not native.available() or "int8_dot" in request.node.nodeid:
+    if not quant_ops.available() or "int8_dot" in request.node.nodeid:
         yield
         return
-    native.set_int8_dot(False)
+    quant_ops.set_int8_dot(False)
     yield
-    native.set_int8_dot(True)
+    quant_ops.set_int8_dot(True)

@@ -7,19 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memwall.quant import native
+from memwall.kernels.cpu import quant_ops
 from memwall.quant.base import QuantLinear
 from memwall.quant.int4_cpu import NativeQ4
 from memwall.quant.int8_cpu import NativeQ8
 
-pytestmark = pytest.mark.skipif(not native.int8_dot_available(),
+pytestmark = pytest.mark.skipif(not quant_ops.int8_dot_available(),
                                 reason="needs the native kernels on a CPU with AVX512-VNNI")
 
 
 def _both(layer: QuantLinear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    native.set_int8_dot(False)
+    quant_ops.set_int8_dot(False)
     exact = layer(x)
-    native.set_int8_dot(True)
+    quant_ops.set_int8_dot(True)
     return exact, layer(x)
 
 
@@ -79,17 +79,17 @@ def test_embedded_model_greedy_agrees_with_the_exact_path(gguf_path):
     prompts = [[{"role": "user", "content": t}] for t in
                ("What is the capital of France?", "Name three primary colors.",
                 "Write a haiku about autumn.")]
-    native.set_int8_dot(True)
+    quant_ops.set_int8_dot(True)
     fast = [o.outputs[0].token_ids for o in llm.chat(prompts, params)]
-    native.set_int8_dot(False)
+    quant_ops.set_int8_dot(False)
     exact = [o.outputs[0].token_ids for o in llm.chat(prompts, params)]
-    native.set_int8_dot(True)
+    quant_ops.set_int8_dot(True)
     # three prompts decode as a batch (rows > 1 keep the fp32 kernels but the LM head of the
     # first token is one row); a batch of one runs every projection on the int8 path
     single_fast = llm.chat(prompts[:1], params)[0].outputs[0].token_ids
-    native.set_int8_dot(False)
+    quant_ops.set_int8_dot(False)
     single_exact = llm.chat(prompts[:1], params)[0].outputs[0].token_ids
-    native.set_int8_dot(True)
+    quant_ops.set_int8_dot(True)
     matches = sum(a == b for f, e in zip(fast + [single_fast], exact + [single_exact])
                   for a, b in zip(f, e))
     assert matches / (32 * 4) >= 0.9

@@ -12,7 +12,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from memwall.loader.gguf_weights import dequantize
-from memwall.quant import QuantLinear, native
+from memwall.kernels.cpu import quant_ops
+from memwall.quant import QuantLinear
 from memwall.quant.embedding import QuantEmbedding
 from memwall.quant.gguf_repack import repack
 from memwall.quant.int8_cpu import Int8WeightOnly
@@ -20,7 +21,7 @@ from memwall.quant.int8_cpu import Int8WeightOnly
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "loader"))
 from test_gguf_dequant import random_blocks  # noqa: E402
 
-needs_native = pytest.mark.skipif(not native.available(), reason="native kernels not built")
+needs_native = pytest.mark.skipif(not quant_ops.available(), reason="native kernels not built")
 
 
 @needs_native

@@ -16,7 +16,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from memwall.loader.gguf_loader import gguf_hf_config, iter_gguf_tensors, open_gguf
 from memwall.loader.gguf_weights import dequantize
-from memwall.quant import native
+from memwall.kernels.cpu import quant_ops
 from memwall.quant.base import QuantLinear
 from memwall.quant.gguf_repack import gguf_quantized_linears, repack
 from memwall.quant.int4_cpu import _layout, dequantize_int4
@@ -24,7 +24,7 @@ from memwall.quant.int4_cpu import _layout, dequantize_int4
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q8_0, Q.Q6_K]
 F16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
 BACKENDS = ["torch", pytest.param("native", marks=pytest.mark.skipif(
-    not native.available(), reason="no C compiler for the native kernels"))]
+    not quant_ops.available(), reason="no C compiler for the native kernels"))]
 
 
 def random_blocks(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -77,7 +77,7 @@ def test_embedded_file_repacks_to_the_loaders_weights(gguf_path):
     (one backend: the row handling is the same for both, and the torch one packs slowly)."""
     reader = open_gguf(gguf_path)
     config = gguf_hf_config(reader)
-    backend = "native" if native.available() else "torch"
+    backend = "native" if quant_ops.available() else "torch"
     quant = gguf_quantized_linears(reader, config, backend=backend)
     native_embedding = backend == "native"  # a QuantEmbedding reads the native layouts only
     assert len(quant) == 7 * config["num_hidden_layers"] + 1 + native_embedding

@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memwall.quant import native
+from memwall.kernels.cpu import quant_ops
 from memwall.quant.base import QuantLinear
 from memwall.quant.int4_cpu import (DEQUANT_MIN_TOKENS, Int4WeightOnly, NativeQ4, _layout,
                                     _unpack_rows, dequantize_int4, pack_planes, quantize_int4)
 from memwall.quant.int8_cpu import Int8WeightOnly, NativeQ8, quantize_int8
 
-needs_native = pytest.mark.skipif(not native.available(), reason="no C compiler for the native kernels")
+needs_native = pytest.mark.skipif(not quant_ops.available(), reason="no C compiler for the native kernels")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -122,7 +122,7 @@ def test_int8_refuses_inputs_torch_would_crash_on():
 # --------------------------------------------------------------------------- native kernels
 
 @needs_native
-@pytest.mark.parametrize("tokens", [1, 3, native.MAX_TOKENS + 1])
+@pytest.mark.parametrize("tokens", [1, 3, quant_ops.MAX_TOKENS + 1])
 @pytest.mark.parametrize("rows", [64, 30])  # 30: not a multiple of the 4-row fast path
 def test_native_q4_matches_float(tokens, rows):
     torch.manual_seed(5)
@@ -132,12 +132,12 @@ def test_native_q4_matches_float(tokens, rows):
     layer = QuantLinear(NativeQ4().from_codes(q, s, c, "test"))
     x = torch.randn(tokens, 96)
     assert rel_err(layer(x), F.linear(x, w)) < 1e-5
-    assert torch.equal(native.q4_dequantize(layer.codes, layer.s, layer.c, 96), w)
+    assert torch.equal(quant_ops.q4_dequantize(layer.codes, layer.s, layer.c, 96), w)
 
 
 @needs_native
 @pytest.mark.parametrize("group", [16, 32, 96])
-@pytest.mark.parametrize("tokens", [1, 2, native.MAX_TOKENS + 1])
+@pytest.mark.parametrize("tokens", [1, 2, quant_ops.MAX_TOKENS + 1])
 def test_native_q8_matches_float(group, tokens):
     torch.manual_seed(6)
     q = torch.randint(-128, 128, (36, 96))

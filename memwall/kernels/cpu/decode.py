@@ -1,10 +1,12 @@
 """The ctypes side of decode.c: ``NativeDecoder`` describes a Llama-family model (weights, KV
-cache) to the C step once, then runs decode-only steps with one call each.
+cache) to the C step once, then runs decode-only steps with one call each; and
+``paged_decode_attention``, paged_attention.c's kernel on its own.
 
-A model qualifies when it is float32 on the CPU and every projection is a float ``nn.Linear``,
-a native quantized layer (``NativeQ4``/``NativeQ8``) or a ``ConcatLinear`` of those. Anything
-else (bf16, torch's int4/int8 ops, no C compiler) makes ``NativeDecoder.build`` return None and
-the model runs its torch path, which computes the same thing.
+A model qualifies when it is float32 on the CPU and every projection is one the kernels can
+read (layout.py ``describe``: a float ``nn.Linear``, or a module whose ``native_parts()`` gives
+up to 3 q4/q8/f32 parts). Anything else (bf16, torch's int4/int8 ops, no C compiler) makes
+``NativeDecoder.build`` return None and the model runs its torch path, which computes the same
+thing.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from memwall.quant import native
+from memwall.kernels.cpu import build
+from memwall.kernels.cpu.layout import LayoutError, PackedWeight, describe
 
-F32, Q4, Q8 = 1, 2, 3
+KINDS = {"f32": 1, "q4": 2, "q8": 3}  # MW_F32, MW_Q4, MW_Q8 in decode.c
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 
@@ -38,8 +41,9 @@ class Layer(ctypes.Structure):
 
 class Model(ctypes.Structure):
     _fields_ = [("n_layers", _i64), ("hidden", _i64), ("n_heads", _i64), ("n_kv_heads", _i64),
-                ("head_dim", _i64), ("inter", _i64), ("block_size", _i64), ("eps", _f32),
-                ("scale", _f32), ("layers", ctypes.POINTER(Layer)), ("final_norm", _p)]
+                ("head_dim", _i64), ("inter", _i64), ("block_size", _i64), ("n_blocks", _i64),
+                ("max_positions", _i64), ("eps", _f32), ("scale", _f32),
+                ("layers", ctypes.POINTER(Layer)), ("final_norm", _p)]
 
 
 class Unsupported(Exception):
@@ -54,38 +58,28 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr()
 
 
-def _part(module: nn.Module, bias: torch.Tensor | None = None) -> Part:
-    from memwall.quant.base import QuantLinear
-    from memwall.quant.int4_cpu import NativeQ4
-    from memwall.quant.int8_cpu import NativeQ8
+def _part(weight: PackedWeight) -> Part:
+    def ptr(t: torch.Tensor | None) -> int | None:
+        return None if t is None else t.data_ptr()
 
-    bias = module.bias if bias is None else bias
-    if type(module) is nn.Linear:
-        return Part(F32, 0, module.out_features, module.in_features, _ptr(module.weight), None,
-                    None, _ptr(bias))
-    if isinstance(module, QuantLinear) and type(module.method) in (NativeQ4, NativeQ8):
-        kind = Q4 if type(module.method) is NativeQ4 else Q8
-        group = module.in_features // module.s.shape[1]
-        return Part(kind, group if kind == Q8 else 32, module.out_features, module.in_features,
-                    module.codes.data_ptr(), _ptr(module.s), _ptr(module.c), _ptr(bias))
-    raise Unsupported(f"{type(module).__name__} ({getattr(module, 'method', '')})")
+    return Part(KINDS[weight.kind], weight.group, weight.n, weight.k, weight.codes.data_ptr(),
+                ptr(weight.scales), ptr(weight.offsets), ptr(weight.bias))
 
 
-def _proj(module: nn.Module) -> Proj:
-    from memwall.quant.transform import ConcatLinear
-
-    if isinstance(module, ConcatLinear):
-        if len(module.parts) > 3:
-            raise Unsupported("a ConcatLinear of more than 3 parts")
-        biases = (torch.split(module.bias, [p.out_features for p in module.parts])
-                  if module.bias is not None else [None] * len(module.parts))
-        parts = [_part(p, b.contiguous() if b is not None else None)
-                 for p, b in zip(module.parts, biases)]
-    else:
-        parts = [_part(module)]
+def _proj(module: nn.Module, keep: list) -> Proj:
+    """One projection's parts (layout.py ``describe``), their tensors appended to ``keep``."""
+    try:
+        parts = describe(module)
+    except LayoutError as e:
+        raise Unsupported(f"{type(module).__name__}: {e}") from e
+    if not parts:
+        raise Unsupported(f"{type(module).__name__} ({getattr(module, 'method', '')})")
+    if len(parts) > 3:
+        raise Unsupported(f"a projection of {len(parts)} parts (decode.c takes up to 3)")
+    keep.append(parts)  # owns the split biases the parts point into
     proj = Proj(len(parts))
     for i, part in enumerate(parts):
-        proj.parts[i] = part
+        proj.parts[i] = _part(part)
     return proj
 
 
@@ -105,7 +99,7 @@ class NativeDecoder:
     def build(cls, net: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
               ) -> "NativeDecoder | None":
         """None when the C step cannot run this model (see the module docstring)."""
-        if not native.available():
+        if not build.available():
             return None
         try:
             return cls._build(net, kv_caches)
@@ -115,6 +109,11 @@ class NativeDecoder:
     @classmethod
     def _build(cls, net: nn.Module, kv_caches) -> "NativeDecoder":
         cfg, inner = net.config, net.model
+        if len(kv_caches) != len(inner.layers):
+            raise Unsupported(f"{len(kv_caches)} KV caches for {len(inner.layers)} layers")
+        cache_shape = tuple(kv_caches[0][0].shape)  # [num_blocks, block_size, kv_heads, head_dim]
+        if cache_shape[2:] != (cfg.num_key_value_heads, cfg.head_dim):
+            raise Unsupported(f"a KV cache of shape {cache_shape}")
         layers = (Layer * len(inner.layers))()
         keep: list = []
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(inner.layers, kv_caches)):
@@ -128,9 +127,10 @@ class NativeDecoder:
                 entry.q_norm, entry.k_norm = _ptr(attn.q_norm.weight), _ptr(attn.k_norm.weight)
             for field, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj),
                                   ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
-                proj = _proj(module)
-                setattr(entry, field, proj)
-                keep.append(module)  # owns the weights and biases the parts point into
+                setattr(entry, field, _proj(module, keep))
+                keep.append(module)  # owns the weights the parts point into
+            if tuple(k_cache.shape) != cache_shape or tuple(v_cache.shape) != cache_shape:
+                raise Unsupported("KV caches of different shapes")
             entry.k_cache, entry.v_cache = _ptr(k_cache), _ptr(v_cache)
         rotary = inner.rotary
         rope_cos, rope_sin = rotary.cos.float().contiguous(), rotary.sin.float().contiguous()
@@ -139,8 +139,8 @@ class NativeDecoder:
             raise Unsupported("layers with different norm epsilons")
         model = Model(len(inner.layers), cfg.hidden_size, cfg.num_attention_heads,
                       cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
-                      kv_caches[0][0].shape[1], eps.pop(), inner.layers[0].self_attn.scale,
-                      layers, _ptr(inner.norm.weight))
+                      cache_shape[1], cache_shape[0], rope_cos.shape[0], eps.pop(),
+                      inner.layers[0].self_attn.scale, layers, _ptr(inner.norm.weight))
         return cls(model, layers, kv_caches, rope_cos, rope_sin, keep)
 
     def step(self, embeddings: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -148,28 +148,60 @@ class NativeDecoder:
         """One decode step for B sequences -> final-normed hidden states [B, hidden].
 
         embeddings [B, hidden] float32 (overwritten: it becomes the result), positions, slots,
-        seq_lens int64 [B], block_tables int64 [B, width]."""
+        seq_lens int64 [B], block_tables int64 [B, width]. B may be 0 (returns [0, hidden]).
+        Inputs that point outside the model (a position past its rotary tables, a slot or
+        block outside the KV cache, a length the table cannot hold) raise ValueError."""
+        hidden = self.model.hidden
+        if embeddings.dim() != 2 or embeddings.shape[1] != hidden or embeddings.dtype != torch.float32:
+            raise ValueError(f"embeddings must be float32 [B, {hidden}], got {embeddings.dtype} "
+                             f"{list(embeddings.shape)}")
         x = embeddings.contiguous()
         b = x.shape[0]
-        rc = native._lib().mw_decode_step(
+        if b == 0:
+            return x
+        positions, slots = _indices(positions, "positions", b), _indices(slots, "slots", b)
+        seq_lens, tables = _indices(seq_lens, "seq_lens", b), _indices(block_tables, "block_tables", b, 2)
+        rc = build.require().mw_decode_step(
             ctypes.byref(self.model), x.data_ptr(), b, positions.data_ptr(), slots.data_ptr(),
-            seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-            self.rope_cos.data_ptr(), self.rope_sin.data_ptr())
-        if rc != 0:
-            raise MemoryError("the native decode step could not allocate its buffers")
+            seq_lens.data_ptr(), tables.data_ptr(), tables.shape[1], self.rope_cos.data_ptr(),
+            self.rope_sin.data_ptr())
+        build.raise_for(rc, "the native decode step")
         return x
+
+
+def _indices(t: torch.Tensor, name: str, rows: int, dims: int = 1) -> torch.Tensor:
+    """``t`` as the contiguous int64 CPU tensor [rows, ...] the kernels read; ValueError else."""
+    if t.dtype != torch.int64 or t.device.type != "cpu" or t.dim() != dims or t.shape[0] != rows:
+        raise ValueError(f"{name} must be an int64 CPU tensor of {dims} dim(s) with {rows} rows, "
+                         f"got {t.dtype} {list(t.shape)} on {t.device}")
+    return t.contiguous()
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
                            ) -> torch.Tensor:
     """q [B, H, D] float32 -> [B, H, D]: each row attends over its sequence's blocks in place
-    (no gather). block_tables int64 [B, width], seq_lens int64 [B]."""
-    q = q.contiguous()
+    (no gather). k_cache, v_cache float32 [num_blocks, block_size, kv_heads, D] with H a
+    multiple of kv_heads; block_tables int64 [B, width], seq_lens int64 [B] in
+    1..width * block_size. Anything else raises ValueError before C runs; B = 0 returns [0, H, D]."""
+    if q.dim() != 3 or q.dtype != torch.float32:
+        raise ValueError(f"q must be float32 [B, heads, head_dim], got {q.dtype} {list(q.shape)}")
     b, h, d = q.shape
-    out = torch.empty_like(q)
-    native._lib().mw_paged_decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        block_tables.shape[1], seq_lens.data_ptr(), b, h, k_cache.shape[2], d, k_cache.shape[1],
-        scale, out.data_ptr())
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if (cache.dim() != 4 or cache.shape[3] != d or cache.shape != k_cache.shape
+                or cache.dtype != torch.float32 or not cache.is_contiguous()):
+            raise ValueError(f"{name} must be contiguous float32 [blocks, block_size, kv_heads, "
+                             f"{d}] like k_cache, got {cache.dtype} {list(cache.shape)}")
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    if kv_heads < 1 or h % kv_heads:
+        raise ValueError(f"{h} query heads cannot share {kv_heads} KV heads evenly")
+    out = torch.empty(b, h, d, dtype=torch.float32)
+    if b == 0:
+        return out
+    q = q.contiguous()
+    tables, lens = _indices(block_tables, "block_tables", b, 2), _indices(seq_lens, "seq_lens", b)
+    rc = build.require().mw_paged_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+        lens.data_ptr(), b, h, kv_heads, d, block_size, num_blocks, scale, out.data_ptr())
+    build.raise_for(rc, "paged_decode_attention")
     return out

@@ -1,0 +1,212 @@
+/* memwall's one-token matmuls with int8 activations (see kernels.h for the other files).
+ *
+ * One token (a decode row) is bandwidth-light but instruction-heavy on the fp32 kernels: each
+ * weight is widened, scaled, offset and multiplied (5 vector ops per 16 weights). With
+ * AVX512-VNNI one vpdpbusd multiplies 64 weight codes by 64 int8 activations instead.
+ *
+ * Activations as two int8 digits. One int8 code per activation (llama.cpp's Q8 activations)
+ * is too coarse for small models: SmolLM2's greedy tokens leave the float path's after a
+ * few tokens. So each 32-value block is written x ~= d * (256 * hi + lo): hi = round(x / d)
+ * with d = max|x| / 127, and lo the rounded remainder in units of d / 256. Both digits are
+ * int8, both go through vpdpbusd, and (dot(hi) << 8) + dot(lo) is exact in int32. What is
+ * left is the rounding of lo: relative ~2e-5, fp16-like, and greedy decoding keeps to the
+ * exact path (tests/quant/test_int8_dot.py).
+ *
+ *   y[n] = sum_g  s[n,g] * (d_b / 256) * sum_{k in g} q[n,k] * (256 hi[k] + lo[k])
+ *        + c[n,g] * xsum_g                     xsum_g = sum of the group's quantized x
+ *
+ * mw_set_int8_dot(0) switches back to the exact fp32 kernels. Needs K % 64 == 0 (else the
+ * entry points return 0 and the caller runs the fp32 kernel).
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+static int mw_int8_dot = 1;
+void mw_set_int8_dot(int on) { mw_int8_dot = on; }
+int mw_int8_dot_available(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define MW_VNNI 1
+
+/* Where activation k of a q4 row goes in the digit arrays. q4 codes unpack 128 at a time:
+ * 64 bytes = four 32-value blocks, whose low nibbles (values 0..15 of each block) fill one
+ * vector and high nibbles (values 16..31) another, so the activations are laid out the same
+ * way; a 64-value tail (two blocks) is split the same way. */
+static inline int64_t q4_position(int64_t K, int64_t b, int j) {
+    const int64_t full = K / 128;
+    int64_t base, i, nb;
+    if (b < 4 * full) { base = (b / 4) * 128; i = b % 4; nb = 4; }
+    else { base = full * 128; i = b - 4 * full; nb = 2; }
+    return base + (j < 16 ? i * 16 + j : nb * 16 + i * 16 + (j - 16));
+}
+
+/* x [K] -> signed digit codes hi, lo [K] (q4 order, above, or natural order for q8),
+ * per-lane scales dlane [K/4] (d / 256 of the block each 4-value lane belongs to),
+ * per-group sums gsum [K/G] of the quantized activations, and for q8 rows (whose signed
+ * codes are read as unsigned, + 128) the per-lane correction 128 * sum(256 hi + lo). */
+static void quantize_x(const float* x, int64_t K, int q4_order, int64_t G, int8_t* hi,
+                       int8_t* lo, float* dlane, float* gsum, int32_t* xcorr) {
+    if (xcorr) memset(xcorr, 0, sizeof(int32_t) * (K / 4));
+    for (int64_t b = 0; b < K / 32; b++) {
+        const float* xb = x + b * 32;
+        float amax = 0.f;
+        for (int j = 0; j < 32; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+        const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+        int64_t sums[2] = {0, 0};  /* per 16 values, in units of d / 256 */
+        for (int j = 0; j < 32; j++) {
+            float t = xb[j] * id;
+            int h = (int)nearbyintf(t);
+            int l = (int)nearbyintf((t - (float)h) * 256.f);
+            l = l > 127 ? 127 : (l < -127 ? -127 : l);
+            int64_t pos = q4_order ? q4_position(K, b, j) : b * 32 + j;
+            hi[pos] = (int8_t)h;
+            lo[pos] = (int8_t)l;
+            sums[j / 16] += 256 * h + l;
+            if (xcorr) xcorr[pos / 4] += 128 * (256 * h + l);
+            if (pos % 4 == 0) dlane[pos / 4] = d / 256.f;
+        }
+        const float unit = d / 256.f;
+        if (G == 16) {
+            gsum[b * 2] = unit * (float)sums[0];
+            gsum[b * 2 + 1] = unit * (float)sums[1];
+        } else if (G == 32) {
+            gsum[b] = unit * (float)(sums[0] + sums[1]);
+        } else {  /* G % 64 == 0: several blocks a group */
+            if ((b * 32) % G == 0) gsum[b * 32 / G] = 0.f;
+            gsum[b * 32 / G] += unit * (float)(sums[0] + sums[1]);
+        }
+    }
+}
+
+static const int32_t LANES_2[16] = {0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1};  /* q4 tail */
+static const int32_t LANES_32[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
+static const int32_t LANES_16[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+
+/* 16 lane scales from the n consecutive floats at s (n = 2 or 4) */
+static inline __m512 spread(const float* s, int n, __m512i idx) {
+    __m128 v = n == 4 ? _mm_loadu_ps(s) : _mm_castsi128_ps(_mm_loadl_epi64((const __m128i*)s));
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v));
+}
+
+/* one row of a q4 weight (codes [K/2], s, c [K/32]) against a quantized token */
+static inline float q4_row_i8(const uint8_t* codes, const float* s, const float* c, int64_t K,
+                              const int8_t* hi, const int8_t* lo, const float* dlane,
+                              const float* gsum) {
+    const __m512i idx4 = _mm512_loadu_si512(LANES_16), idx2 = _mm512_loadu_si512(LANES_2);
+    const __m512i low4 = _mm512_set1_epi8(15);
+    __m512 acc = _mm512_setzero_ps();
+    int64_t c128 = 0;
+    for (; c128 < K / 128; c128++) {  /* 128 weights: both nibble vectors share lane scales */
+        const int64_t o = c128 * 128;
+        __m512i raw = _mm512_loadu_si512(codes + c128 * 64);
+        __m512i wl = _mm512_and_si512(raw, low4);
+        __m512i wh = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        __m512i dh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wl, _mm512_loadu_si512(hi + o));
+        dh = _mm512_dpbusd_epi32(dh, wh, _mm512_loadu_si512(hi + o + 64));
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dh, 8), wl, _mm512_loadu_si512(lo + o));
+        dot = _mm512_dpbusd_epi32(dot, wh, _mm512_loadu_si512(lo + o + 64));
+        __m512 scale = _mm512_mul_ps(spread(s + c128 * 4, 4, idx4), _mm512_loadu_ps(dlane + o / 4));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
+    }
+    if (K % 128) {  /* a 64-weight tail: two blocks, nibble halves side by side */
+        const int64_t o = c128 * 128;
+        const __m256i low4h = _mm256_set1_epi8(15);
+        __m256i raw = _mm256_loadu_si256((const __m256i*)(codes + c128 * 64));
+        __m256i wl = _mm256_and_si256(raw, low4h);
+        __m256i wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4h);
+        __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(wl), wh, 1);
+        __m512i dh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(hi + o));
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dh, 8), w, _mm512_loadu_si512(lo + o));
+        __m512 scale = _mm512_mul_ps(spread(s + c128 * 4, 2, idx2), _mm512_loadu_ps(dlane + o / 4));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
+    }
+    return _mm512_reduce_add_ps(acc) + dot_f32(c, gsum, K / 32);
+}
+
+/* one row of a q8 weight (signed codes [K], s, c [K/G]). The codes are read as unsigned
+ * (xor 0x80 = code + 128) and the 128 * sum(x) that adds is taken back with xcorr. */
+static inline float q8_row_i8(const int8_t* codes, const float* s, const float* c, int64_t K,
+                              int64_t G, const int8_t* hi, const int8_t* lo,
+                              const float* dlane, const float* gsum, const int32_t* xcorr) {
+    const __m512i idx = _mm512_loadu_si512(G == 16 ? LANES_16 : LANES_32);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t p = 0; p < K / 64; p++) {
+        __m512i w = _mm512_xor_si512(_mm512_loadu_si512(codes + p * 64), flip);
+        __m512i dh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(hi + p * 64));
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dh, 8), w, _mm512_loadu_si512(lo + p * 64));
+        dot = _mm512_sub_epi32(dot, _mm512_loadu_si512(xcorr + p * 16));
+        __m512 sv = G == 16 ? spread(s + p * 4, 4, idx) : G == 32 ? spread(s + p * 2, 2, idx)
+                                                                 : _mm512_set1_ps(s[p * 64 / G]);
+        __m512 scale = _mm512_mul_ps(sv, _mm512_loadu_ps(dlane + p * 16));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
+    }
+    return _mm512_reduce_add_ps(acc) + dot_f32(c, gsum, K / G);
+}
+#endif
+
+#ifdef MW_VNNI
+/* One token quantized for the int8 kernels, in one allocation (free with free(t.hi)). */
+typedef struct { int8_t *hi, *lo; float *dlane, *gsum; int32_t* xcorr; } qtoken;
+
+static int quantize_token(const float* x, int64_t K, int q4_order, int64_t G, qtoken* t) {
+    const int64_t groups = K / (G < 32 ? G : 32);  /* gsum entries (at most K/16) */
+    t->hi = (int8_t*)malloc(2 * K + sizeof(float) * (K / 4 + groups) + sizeof(int32_t) * (K / 4));
+    if (!t->hi) return 0;
+    t->lo = t->hi + K;
+    t->dlane = (float*)(t->lo + K);
+    t->gsum = t->dlane + K / 4;
+    t->xcorr = q4_order ? NULL : (int32_t*)(t->gsum + groups);
+    quantize_x(x, K, q4_order, G, t->hi, t->lo, t->dlane, t->gsum, t->xcorr);
+    return 1;
+}
+#endif
+
+/* y[N] = x[K] @ W^T for one token with int8 dot products; returns 0 when it cannot (no VNNI,
+ * switched off, or a shape it does not take), and the caller runs the fp32 kernel. */
+int mw_q4_gemv_i8(const float* x, int64_t K, const uint8_t* codes, const float* s,
+                  const float* c, float* y, int64_t N) {
+#ifdef MW_VNNI
+    qtoken t;
+    if (N <= 0) return 1;  /* nothing to compute */
+    if (!mw_int8_dot || K <= 0 || K % 64 || !quantize_token(x, K, 1, 32, &t)) return 0;
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        y[n] = q4_row_i8(codes + n * (K / 2), s + n * (K / 32), c + n * (K / 32), K, t.hi, t.lo,
+                         t.dlane, t.gsum);
+    free(t.hi);
+    return 1;
+#else
+    (void)x; (void)K; (void)codes; (void)s; (void)c; (void)y; (void)N;
+    return 0;
+#endif
+}
+
+int mw_q8_gemv_i8(const float* x, int64_t K, int64_t G, const int8_t* codes, const float* s,
+                  const float* c, float* y, int64_t N) {
+#ifdef MW_VNNI
+    qtoken t;
+    if (N <= 0) return 1;
+    if (!mw_int8_dot || K <= 0 || K % 64 || G <= 0 || !(G == 16 || G == 32 || G % 64 == 0) ||
+        !quantize_token(x, K, 0, G, &t))
+        return 0;
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        y[n] = q8_row_i8(codes + n * K, s + n * (K / G), c + n * (K / G), K, G, t.hi, t.lo,
+                         t.dlane, t.gsum, t.xcorr);
+    free(t.hi);
+    return 1;
+#else
+    (void)x; (void)K; (void)G; (void)codes; (void)s; (void)c; (void)y; (void)N;
+    return 0;
+#endif
+}

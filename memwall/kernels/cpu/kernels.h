@@ -1,0 +1,136 @@
+/* memwall's CPU kernels: what the .c files beside this one export (to each other, and through
+ * ctypes to Python: memwall/kernels/cpu/build.py declares the same signatures), and the small
+ * vector helpers they share. build.py compiles them into one library:
+ *
+ *     quant_gemm.c       fp32 matmuls on q4/q8 block-quantized weights, prefill tiles, dequantize
+ *     int8_dot.c         one-token q4/q8 matmuls with int8 activations (AVX512-VNNI)
+ *     paged_attention.c  decode attention over paged KV blocks, read where they lie
+ *     decode.c           the fused decode step: all layers of a Llama-family model in one call
+ *
+ * Each file picks its code path from the compiler's target macros (__AVX512F__, __AVX2__ with
+ * __FMA__, or plain C), so one source builds for every CPU. Sizes: every function takes zero
+ * tokens, rows or outputs (and does nothing); the layout rules the arithmetic needs (K a
+ * multiple of 32 for q4, a q8 group a multiple of 16, ...) are checked in Python before a call
+ * (memwall/kernels/cpu/quant_ops.py, layout.py, decode.py).
+ */
+#ifndef MEMWALL_KERNELS_H
+#define MEMWALL_KERNELS_H
+
+#include <stdint.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define MW_MAX_ROWS 16  /* tokens a q4/q8 row kernel takes at once; more go MW_MAX_ROWS at a time */
+
+/* What the checked entry points return (Python turns each into an error that says which). */
+enum {
+    MW_OK = 0,
+    MW_OUT_OF_MEMORY = -1,
+    MW_BAD_SEQ_LEN = -2,    /* a sequence length outside 1..table_width * block_size */
+    MW_BAD_BLOCK = -3,      /* a block id a sequence reads outside 0..num_blocks - 1 */
+    MW_BAD_POSITION = -4,   /* a position outside the rotary table */
+    MW_BAD_SLOT = -5,       /* a cache slot outside 0..num_blocks * block_size - 1 */
+};
+
+/* quant_gemm.c: y [M, N] = x [M, K] @ W^T with W = s * q + c per block of K (row-major) */
+void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* s,
+             const float* c, float* y, int64_t N);
+void q8_gemm(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
+             const float* s, const float* c, float* y, int64_t N);
+int q4_gemm_tiles(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* s,
+                  const float* c, float* y, int64_t N);
+int q8_gemm_tiles(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
+                  const float* s, const float* c, float* y, int64_t N);
+void q4_dequant(const uint8_t* codes, const float* s, const float* c, float* w, int64_t N, int64_t K);
+void q8_dequant(const int8_t* codes, const float* s, const float* c, float* w, int64_t N,
+                int64_t K, int64_t G);
+
+/* int8_dot.c: one token; 0 when it cannot (no VNNI, switched off, a shape it does not take) */
+int mw_q4_gemv_i8(const float* x, int64_t K, const uint8_t* codes, const float* s,
+                  const float* c, float* y, int64_t N);
+int mw_q8_gemv_i8(const float* x, int64_t K, int64_t G, const int8_t* codes, const float* s,
+                  const float* c, float* y, int64_t N);
+void mw_set_int8_dot(int on);
+int mw_int8_dot_available(void);
+
+/* paged_attention.c */
+int mw_check_tables(const int64_t* block_tables, int64_t table_width, const int64_t* seq_lens,
+                    int64_t B, int64_t block_size, int64_t num_blocks);
+int mw_paged_attention_run(const float* q, const float* k_cache, const float* v_cache,
+                           const int64_t* block_tables, int64_t table_width,
+                           const int64_t* seq_lens, int64_t B, int64_t H, int64_t Hkv,
+                           int64_t D, int64_t block_size, float scale, float* out);
+int mw_paged_decode_attention(const float* q, const float* k_cache, const float* v_cache,
+                              const int64_t* block_tables, int64_t table_width,
+                              const int64_t* seq_lens, int64_t B, int64_t H, int64_t Hkv,
+                              int64_t D, int64_t block_size, int64_t num_blocks, float scale,
+                              float* out);
+
+/* ------------------------------------------------------------------ shared vector helpers */
+
+static inline float dot_f32(const float* a, const float* b, int64_t n) {
+    int64_t i = 0;
+    float sum = 0.f;
+#if defined(__AVX512F__)
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (; i + 32 <= n; i += 32) {
+        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+    }
+    for (; i + 16 <= n; i += 16)
+        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+    sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    __m256 acc = _mm256_add_ps(acc0, acc1);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    sum = _mm_cvtss_f32(h);
+#endif
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* y += a * x */
+static inline void axpy_f32(float a, const float* x, float* y, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 va = _mm512_set1_ps(a);
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 va = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+/* e^x of 16 floats: Cephes' expf polynomial (relative error ~2e-7, as expf) with the power of
+ * two applied by vscalefps */
+#if defined(__AVX512F__)
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)),
+                      _mm512_set1_ps(-87.3365447505531f));
+    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_sub_ps(x, _mm512_mul_ps(fx, _mm512_set1_ps(0.693359375f)));
+    x = _mm512_sub_ps(x, _mm512_mul_ps(fx, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(y, fx);
+}
+#endif
+
+#endif  /* MEMWALL_KERNELS_H */
