@@ -266,7 +266,7 @@ def main() -> None:
 
 
 def _int8_dot() -> bool:
-    from memwall.quant import native
+    from memwall.kernels.cpu import quant_ops as native
 
     return native.int8_dot_available()
 

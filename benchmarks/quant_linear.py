@@ -4,7 +4,7 @@
 
 Kernels: fp32 and bf16 ``F.linear``; torch's int8 (``_weight_int8pack_mm``) and int4
 (``_weight_int4pack_mm_for_cpu``, group 32) ops with bf16 activations; and memwall's native
-fp32 kernels (memwall/quant/native.py: ``q8`` = GGUF Q8_0 layout, ``q4`` = Q4_1 layout) when a
+fp32 kernels (memwall/kernels/cpu/quant_ops.py: ``q8`` = GGUF Q8_0 layout, ``q4`` = Q4_1 layout) when a
 C compiler built them. Decode is bandwidth bound and the whole model (540 MB in fp32) does
 not fit in cache, so each kernel cycles through enough copies of its weight to make the fp32
 working set ~600 MB ("cold", like a decode step), rather than re-reading one cached copy.
@@ -60,7 +60,7 @@ def timed(fns: list[Callable[[], object]], seconds: float) -> float:
 
 def kernels(n: int, k: int, copies: int) -> dict[str, Callable[[torch.Tensor], list[Callable]]]:
     """name -> (x -> one closure per weight copy). Weights are random: speed only."""
-    from memwall.quant import native
+    from memwall.kernels.cpu import quant_ops as native
 
     def each(make_weight, call):
         weights = [make_weight() for _ in range(copies)]

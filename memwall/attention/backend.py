@@ -116,10 +116,7 @@ def choose(device: torch.device | str) -> str:
 
 
 def _native_available() -> bool:
-    try:
-        from memwall.kernels.cpu.build import available
-    except ImportError:  # the kernels' build module is moving out of memwall/quant
-        from memwall.quant.native import available
+    from memwall.kernels.cpu.build import available
     return available()
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import importlib
 import os
 import random
 import signal
@@ -94,15 +93,9 @@ CONFIGS = [
 def _library_loader():
     """The cached loader of the C kernels' library: after ``cache_clear`` its next call reads
     MEMWALL_NATIVE again (and every ``available()`` follows it)."""
-    for module, name in (("memwall.kernels.cpu.build", "lib"), ("memwall.quant.native", "_lib")):
-        try:
-            loader = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):
-            continue
-        if hasattr(loader, "cache_clear"):
-            return loader
-    pytest.fail("cannot find the C kernels' cached library loader (memwall.kernels.cpu.build.lib "
-                "or memwall.quant.native._lib): update _library_loader")
+    from memwall.kernels.cpu import build
+
+    return build.lib
 
 
 @contextlib.contextmanager
@@ -124,10 +117,9 @@ def native_kernels_off():
 def _set_int8_dot(on: bool) -> None:
     """Int8-quantized activations in one-token matmuls (AVX512-VNNI CPUs) are llama.cpp's
     numerics, not fp32's: off here, so that the reference comparison stays tight."""
-    for module in ("memwall.kernels.cpu.quant_ops", "memwall.quant.native"):
-        with contextlib.suppress(ImportError, AttributeError):
-            importlib.import_module(module).set_int8_dot(on)
-            return
+    from memwall.kernels.cpu import quant_ops
+
+    quant_ops.set_int8_dot(on)
 
 
 # ---- prompts longer than the step budget (a subprocess: a crash must not end the suite) ---

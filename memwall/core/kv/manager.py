@@ -11,7 +11,7 @@ between the device pool and the secondary (host) pool.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from memwall.core.kv.block_pool import BlockPool
 from memwall.core.kv.hashing import extend_block_hashes
