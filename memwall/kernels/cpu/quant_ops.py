@@ -46,41 +46,38 @@ def int8_dot_available() -> bool:
 
 def q4_matmul(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """x float32 [M, K] (contiguous) -> [M, N] with the q4 layout's weight."""
-    k = x.shape[-1]
-    n, _ = check_packed("q4", k, codes, s, c)
-    check_input(x, k, "q4_matmul")
-    m = x.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
-    if m == 0 or n == 0:
-        return y
-    lib, args = _lib(), (codes.data_ptr(), s.data_ptr(), c.data_ptr(), y.data_ptr(), n)
-    if m > MAX_TOKENS:
-        if lib.q4_gemm_tiles(x.data_ptr(), m, k, *args):
-            return y
-        return _big_linear(x, q4_dequantize(codes, s, c, k))
-    if m == 1 and lib.mw_q4_gemv_i8(x.data_ptr(), k, *args):
-        return y
-    lib.q4_gemm(x.data_ptr(), m, k, *args)
-    return y
+    return _matmul("q4", x, codes, s, c)
 
 
 def q8_matmul(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """x float32 [M, K] (contiguous) -> [M, N] with the q8 layout's weight."""
+    return _matmul("q8", x, codes, s, c)
+
+
+def _matmul(kind: str, x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor,
+            c: torch.Tensor) -> torch.Tensor:
+    """One token: the int8-digit gemv where the CPU has it; 2..16: the row kernels; more: the
+    16-token tiles (or, where they are not built, the dequantized weight and BLAS)."""
     k = x.shape[-1]
-    n, group = check_packed("q8", k, codes, s, c)
-    check_input(x, k, "q8_matmul")
+    n, group = check_packed(kind, k, codes, s, c)
+    check_input(x, k, f"{kind}_matmul")
     m = x.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     if m == 0 or n == 0:
         return y
-    lib, args = _lib(), (codes.data_ptr(), s.data_ptr(), c.data_ptr(), y.data_ptr(), n)
+    lib = _lib()
+    tiles, gemv, gemm = ((lib.q4_gemm_tiles, lib.mw_q4_gemv_i8, lib.q4_gemm) if kind == "q4"
+                         else (lib.q8_gemm_tiles, lib.mw_q8_gemv_i8, lib.q8_gemm))
+    grouped = () if kind == "q4" else (group,)  # q4's blocks are always 32 wide
+    args = (*grouped, codes.data_ptr(), s.data_ptr(), c.data_ptr(), y.data_ptr(), n)
     if m > MAX_TOKENS:
-        if lib.q8_gemm_tiles(x.data_ptr(), m, k, group, *args):
+        if tiles(x.data_ptr(), m, k, *args):
             return y
-        return _big_linear(x, q8_dequantize(codes, s, c))
-    if m == 1 and lib.mw_q8_gemv_i8(x.data_ptr(), k, group, *args):
+        weight = q4_dequantize(codes, s, c, k) if kind == "q4" else q8_dequantize(codes, s, c)
+        return _big_linear(x, weight)
+    if m == 1 and gemv(x.data_ptr(), k, *args):
         return y
-    lib.q8_gemm(x.data_ptr(), m, k, group, *args)
+    gemm(x.data_ptr(), m, k, *args)
     return y
 
 
