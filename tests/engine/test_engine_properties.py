@@ -114,12 +114,12 @@ def native_kernels_off():
         loader.cache_clear()
 
 
-def _set_int8_dot(on: bool) -> None:
+def _set_int_acts(on: bool) -> None:
     """Int8-quantized activations in one-token matmuls (AVX512-VNNI CPUs) are llama.cpp's
     numerics, not fp32's: off here, so that the reference comparison stays tight."""
     from memwall.kernels.cpu import quant_ops
 
-    quant_ops.set_int8_dot(on)
+    quant_ops.set_int_acts(on)
 
 
 # ---- prompts longer than the step budget (a subprocess: a crash must not end the suite) ---
@@ -216,14 +216,14 @@ def engines():
         pytest.skip("memwall's C kernels are not available here (no C compiler, or "
                     "MEMWALL_NATIVE=0): there is no native path to compare")
     script = LONG_PROMPT_SCRIPT.format(cases=LONG_PROMPTS, max_tokens=3)
-    probe = start_script(script, MEMWALL_NATIVE="1", MEMWALL_INT8_DOT="0")  # see _set_int8_dot
-    _set_int8_dot(False)
+    probe = start_script(script, MEMWALL_NATIVE="1", MEMWALL_INT_ACTS="0")  # see _set_int_acts
+    _set_int_acts(False)
     native_model = load_model(None, "float32", quantization="auto")
     with native_kernels_off():
         reference_model = load_model(None, "float32", quantization="none")
     engines = Engines(native_model, reference_model, long_prompt_tokens(finish_script(probe)))
     yield engines
-    _set_int8_dot(os.environ.get("MEMWALL_INT8_DOT", "1") != "0")
+    _set_int_acts(os.environ.get("MEMWALL_INT_ACTS", "1") != "0")
     a = engines.agreement
     print(f"\nnative vs reference: {a.identical}/{a.positions} greedy positions identical, "
           f"{a.near_ties} near-tie divergences, max |logprob diff| {a.max_logprob_diff:.2e}")

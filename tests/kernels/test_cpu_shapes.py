@@ -33,9 +33,9 @@ def isa(request, monkeypatch):
     except build.BuildError as e:
         pytest.skip(str(e))
     monkeypatch.setattr(build, "lib", lambda: cdll)
-    cdll.mw_set_int8_dot(0)  # exact fp32 kernels; the int8 ones have test_int8_dot.py
+    cdll.mw_set_int_acts(0)  # exact fp32 kernels; the integer ones are tested below
     yield request.param
-    cdll.mw_set_int8_dot(1)
+    cdll.mw_set_int_acts(1)
 
 
 def _weight(kind: str, n: int, k: int, group: int, seed: int):
@@ -79,18 +79,47 @@ def test_quantized_matmuls_at_every_batch_size(isa, kind, k, group):
         assert torch.equal(dequantized, w)  # bit-identical to the reference formula
 
 
+INT8_TOKENS = [0, 1, 2, 7, 8, 9, 15, 16, 17, 33, 95, 96, 97]  # around the 8-token tile,
+# MW_MAX_ROWS and INT_ACTS_MAX_TOKENS (the integer kernels' limit in quant_ops)
+
+
 @pytest.mark.parametrize("kind, k, group", WEIGHTS)
-def test_one_token_int8_kernels_at_every_shape(kind, k, group):
-    """AVX512-VNNI CPUs: one token on the int8-activation kernels (they hand shapes they do not
-    take, K % 64 != 0 or a group of 48, back to the fp32 kernels)."""
-    if not quant_ops.int8_dot_available():
-        pytest.skip("needs a CPU with AVX512-VNNI")
+def test_integer_activation_kernels_at_every_shape(isa, kind, k, group):
+    """The integer-activation kernels (AVX2 vpmaddwd, VNNI vpdpwssd, plain C: one per build) at every
+    batch size; shapes they do not take (K off the 32-value activation block, a q8 group of 48)
+    go back to the fp32 kernels."""
+    lib = build.lib()
+    lib.mw_set_int_acts(1)
     matmul = quant_ops.q4_matmul if kind == "q4" else quant_ops.q8_matmul
-    quant_ops.set_int8_dot(True)
-    for n in (1, 3, 4, 37):
+    g = torch.Generator().manual_seed(k + 1)
+    for n in (1, 3, 37):
         codes, s, c, w = _weight(kind, n, k, group, seed=n)
-        x = torch.randn(1, k)
-        _close(matmul(x, codes, s, c), x.double() @ w.double().T, tol=2e-4)
+        for m in INT8_TOKENS if n == 37 else (1, 9):
+            x = torch.randn(m, k, generator=g)
+            y, ref = matmul(x, codes, s, c), x.double() @ w.double().T
+            assert y.shape == (m, n) and torch.isfinite(y).all()
+            # the activations' rounding (~2e-5 of each |x|) against the magnitudes it scales
+            scale = x.double().abs() @ w.double().abs().T
+            assert ((y.double() - ref).abs() <= 1e-4 * scale + 1e-6).all()
+    # the integer kernel itself ran (not a fallback): its result differs from the exact one by
+    # the activations' rounding, and it says it took the shape
+    codes, s, c, w = _weight(kind, 37, k, group, seed=3)
+    x = torch.randn(9, k, generator=g)
+    y = torch.empty(9, 37)
+    fn, grouped = ((lib.mw_q4_gemm_i16, ()) if kind == "q4" else (lib.mw_q8_gemm_i16, (group,)))
+    took = fn(x.data_ptr(), 9, k, *grouped, codes.data_ptr(), s.data_ptr(), c.data_ptr(),
+              y.data_ptr(), 37)
+    assert took == int(k % 32 == 0 and (group == 16 or group % 32 == 0))  # 32-value blocks
+    if took:
+        error = (y.double() - x.double() @ w.double().T).abs()
+        assert 0 < error.max() and (error <= 1e-4 * (x.double().abs() @ w.double().abs().T)).all()
+
+
+def test_every_build_runs_its_own_integer_path(isa):
+    """native here picks the best the CPU has; avx2 vpmaddwd; baseline plain C."""
+    expected = {"avx2": 2, "baseline": 1}.get(isa)
+    got = build.lib().mw_int_gemm_isa()
+    assert got == expected if expected else got >= 2 or not build.runs_here("avx2")
 
 
 def test_c_entry_points_take_zero_rows_and_more_than_a_tile(isa):

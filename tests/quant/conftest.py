@@ -1,6 +1,6 @@
 """Most quant tests check the exact fp32 kernels (weights bit-identical to the reference
-dequantizer); one-token matmuls would otherwise take the int8-activation kernels, which have
-their own tests in test_int8_dot.py."""
+dequantizer); matmuls would otherwise take the integer-activation kernels, which have their
+own tests in test_int_acts.py."""
 
 import pytest
 
@@ -9,9 +9,9 @@ from memwall.kernels.cpu import quant_ops
 
 @pytest.fixture(autouse=True)
 def exact_kernels(request):
-    if not quant_ops.available() or "int8_dot" in request.node.nodeid:
+    if not quant_ops.available() or "int_acts" in request.node.nodeid:
         yield
         return
-    quant_ops.set_int8_dot(False)
+    quant_ops.set_int_acts(False)
     yield
-    quant_ops.set_int8_dot(True)
+    quant_ops.set_int_acts(True)

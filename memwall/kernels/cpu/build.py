@@ -29,7 +29,7 @@ from pathlib import Path
 logger = logging.getLogger("memwall")
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("quant_gemm.c", "int8_dot.c", "paged_attention.c", "decode.c")
+SOURCES = ("quant_gemm.c", "int_gemm.c", "int8_dot.c", "paged_attention.c", "decode.c")
 HEADERS = ("kernels.h",)
 # -ffp-contract=off: a weight s * q + c is rounded as the reference dequantizer rounds it.
 # -Bsymbolic: calls between the files stay inside one build when tests load several.
@@ -129,8 +129,8 @@ def library(isa: str = "native") -> ctypes.CDLL:
     except (OSError, subprocess.SubprocessError) as e:
         raise BuildError(f"building memwall's CPU kernels failed: {e}") from e
     _declare(cdll)
-    # MEMWALL_INT8_DOT=0 keeps one-token matmuls on the exact fp32 kernels
-    cdll.mw_set_int8_dot(int(os.environ.get("MEMWALL_INT8_DOT", "1") != "0"))
+    # MEMWALL_INT_ACTS=0 keeps one-token matmuls on the exact fp32 kernels
+    cdll.mw_set_int_acts(int(os.environ.get("MEMWALL_INT_ACTS", "1") != "0"))
     return cdll
 
 
@@ -176,7 +176,11 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "q8_dequant": (None, [p, p, p, p, i64, i64, i64]),
         "mw_q4_gemv_i8": (i32, [p, i64, p, p, p, p, i64]),
         "mw_q8_gemv_i8": (i32, [p, i64, i64, p, p, p, p, i64]),
-        "mw_set_int8_dot": (None, [i32]),
+        "mw_set_int_acts": (None, [i32]),
+        "mw_int_gemm_isa": (i32, []),
+        "mw_int_acts_on": (i32, []),
+        "mw_q4_gemm_i16": (i32, [p, i64, i64, p, p, p, p, i64]),
+        "mw_q8_gemm_i16": (i32, [p, i64, i64, i64, p, p, p, p, i64]),
         "mw_int8_dot_available": (i32, []),
         "mw_paged_decode_attention": (i32, [p, p, p, p, i64, p, i64, i64, i64, i64, i64, i64,
                                             f32, p]),

@@ -15,7 +15,7 @@
  *   y[n] = sum_g  s[n,g] * (d_b / 256) * sum_{k in g} q[n,k] * (256 hi[k] + lo[k])
  *        + c[n,g] * xsum_g                     xsum_g = sum of the group's quantized x
  *
- * mw_set_int8_dot(0) switches back to the exact fp32 kernels. Needs K % 64 == 0 (else the
+ * mw_set_int_acts(0) (int8_gemm.c) switches back to the exact fp32 kernels. Needs K % 64 == 0 (else the
  * entry points return 0 and the caller runs the fp32 kernel).
  */
 #include <math.h>
@@ -24,8 +24,6 @@
 
 #include "kernels.h"
 
-static int mw_int8_dot = 1;
-void mw_set_int8_dot(int on) { mw_int8_dot = on; }
 int mw_int8_dot_available(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     return 1;
@@ -178,7 +176,7 @@ int mw_q4_gemv_i8(const float* x, int64_t K, const uint8_t* codes, const float* 
 #ifdef MW_VNNI
     qtoken t;
     if (N <= 0) return 1;  /* nothing to compute */
-    if (!mw_int8_dot || K <= 0 || K % 64 || !quantize_token(x, K, 1, 32, &t)) return 0;
+    if (!mw_int_acts || K <= 0 || K % 64 || !quantize_token(x, K, 1, 32, &t)) return 0;
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
         y[n] = q4_row_i8(codes + n * (K / 2), s + n * (K / 32), c + n * (K / 32), K, t.hi, t.lo,
@@ -196,7 +194,7 @@ int mw_q8_gemv_i8(const float* x, int64_t K, int64_t G, const int8_t* codes, con
 #ifdef MW_VNNI
     qtoken t;
     if (N <= 0) return 1;
-    if (!mw_int8_dot || K <= 0 || K % 64 || G <= 0 || !(G == 16 || G == 32 || G % 64 == 0) ||
+    if (!mw_int_acts || K <= 0 || K % 64 || G <= 0 || !(G == 16 || G == 32 || G % 64 == 0) ||
         !quantize_token(x, K, 0, G, &t))
         return 0;
     #pragma omp parallel for schedule(static)

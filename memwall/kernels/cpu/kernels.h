@@ -3,7 +3,9 @@
  * vector helpers they share. build.py compiles them into one library:
  *
  *     quant_gemm.c       fp32 matmuls on q4/q8 block-quantized weights, prefill tiles, dequantize
- *     int8_dot.c         one-token q4/q8 matmuls with int8 activations (AVX512-VNNI)
+ *     int_gemm.c         q4/q8 matmuls with int16 activations for any number of tokens
+ *                        (AVX2 vpmaddwd, AVX-512 VNNI vpdpwssd, plain C)
+ *     int8_dot.c         one-token q4/q8 matmuls with int8-digit activations (AVX512-VNNI)
  *     paged_attention.c  decode attention over paged KV blocks, read where they lie
  *     decode.c           the fused decode step: all layers of a Llama-family model in one call
  *
@@ -46,12 +48,21 @@ void q4_dequant(const uint8_t* codes, const float* s, const float* c, float* w, 
 void q8_dequant(const int8_t* codes, const float* s, const float* c, float* w, int64_t N,
                 int64_t K, int64_t G);
 
+/* int_gemm.c: any M; 0 when it cannot (switched off, a shape it does not take) */
+extern int mw_int_acts;  /* 1: q4/q8 matmuls quantize activations; 0: the exact fp32 kernels */
+void mw_set_int_acts(int on);
+int mw_int_acts_on(void);
+int mw_int_gemm_isa(void);  /* 3 VNNI, 2 AVX2, 1 plain C */
+int mw_q4_gemm_i16(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* s,
+                   const float* c, float* y, int64_t N);
+int mw_q8_gemm_i16(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
+                   const float* s, const float* c, float* y, int64_t N);
+
 /* int8_dot.c: one token; 0 when it cannot (no VNNI, switched off, a shape it does not take) */
 int mw_q4_gemv_i8(const float* x, int64_t K, const uint8_t* codes, const float* s,
                   const float* c, float* y, int64_t N);
 int mw_q8_gemv_i8(const float* x, int64_t K, int64_t G, const int8_t* codes, const float* s,
                   const float* c, float* y, int64_t N);
-void mw_set_int8_dot(int on);
 int mw_int8_dot_available(void);
 
 /* paged_attention.c */

@@ -13,6 +13,10 @@
  *     q8: codes int8 [N, K]      s, c float32 [N, K/G], G a multiple of 16 dividing K
  *                                w = s * q + c
  *
+ * q4_gemm and q8_gemm are the exact kernels only while integer activations are switched off
+ * (mw_set_int_acts(0)); otherwise they hand the work to int_gemm.c (int8_dot.c for one token
+ * on AVX-512 VNNI) and fall back here for shapes those do not take.
+ *
  * Batches: 1..MAXM tokens go through every weight row together (q4_gemm, q8_gemm; more are
  * taken MAXM at a time); prefill goes in MAXM-token tiles, a tile per thread (*_gemm_tiles,
  * AVX-512 only), with the same row kernels, so no float copy of a weight is ever made.
@@ -171,6 +175,8 @@ static int nothing_to_do(int64_t M, int64_t K, float* y, int64_t N) {
 void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* s,
              const float* c, float* y, int64_t N) {
     if (nothing_to_do(M, K, y, N)) return;
+    if (M == 1 && mw_q4_gemv_i8(x, K, codes, s, c, y, N)) return;  /* AVX-512 VNNI gemv */
+    if (mw_q4_gemm_i16(x, M, K, codes, s, c, y, N)) return;        /* int16 activations */
     if (M > MAXM) {
         for (int64_t m0 = 0; m0 < M; m0 += MAXM)
             q4_gemm(x + m0 * K, M - m0 < MAXM ? M - m0 : MAXM, K, codes, s, c, y + m0 * N, N);
@@ -277,6 +283,8 @@ static void q8_gemv4(const float* x, int64_t K, int64_t G, const int8_t* codes,
 void q8_gemm(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
              const float* s, const float* c, float* y, int64_t N) {
     if (nothing_to_do(M, K, y, N)) return;
+    if (M == 1 && mw_q8_gemv_i8(x, K, G, codes, s, c, y, N)) return;
+    if (mw_q8_gemm_i16(x, M, K, G, codes, s, c, y, N)) return;
     if (M > MAXM) {
         for (int64_t m0 = 0; m0 < M; m0 += MAXM)
             q8_gemm(x + m0 * K, M - m0 < MAXM ? M - m0 : MAXM, K, G, codes, s, c, y + m0 * N, N);

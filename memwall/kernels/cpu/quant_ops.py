@@ -1,12 +1,12 @@
-"""The quantized matmuls of quant_gemm.c and int8_dot.c as torch functions, for weights in the
+"""The quantized matmuls of quant_gemm.c, int_gemm.c and int8_dot.c as torch functions, for weights in the
 q4/q8 layouts of layout.py: ``x`` float32 [M, K] (contiguous) -> ``y`` float32 [M, N].
 
     M = 0            an empty [0, N], no C call (a prefill chunk that needs no logits)
-    M = 1            the int8-activation kernels where the CPU has AVX512-VNNI and
-                     ``set_int8_dot(True)`` (the default), else the exact fp32 row kernels
-    M = 2..16        one pass of the fp32 row kernels over every weight row
-    M > 16           16-token tiles, a tile per thread (AVX-512 builds); elsewhere the weight is
-                     dequantized once and multiplied by BLAS
+    M = 1..96        int16 activations (int_gemm.c: AVX2 vpmaddwd, AVX-512 VNNI vpdpwssd, plain
+                     C; int8_dot.c's int8-digit gemv for one token on AVX512-VNNI) while
+                     ``set_int_acts(True)`` (the default); else the exact fp32 row kernels
+    M > 96           16-token fp32 tiles, a tile per thread (AVX-512 builds); elsewhere the
+                     weight is dequantized once and multiplied by BLAS
     K, N             K must fit the layout (a multiple of 32 for q4, of the group for q8);
                      anything else raises ValueError (layout.LayoutError) before C runs
 
@@ -25,19 +25,34 @@ from memwall.kernels.cpu.build import available
 from memwall.kernels.cpu.layout import check_input, check_packed
 
 MAX_TOKENS = 16  # MW_MAX_ROWS in kernels.h: larger batches go in tiles of this many tokens
+# Up to this many tokens the integer kernels beat dequantize + BLAS; past it fp32 BLAS (near
+# the FMA peak on large batches) wins. Measured on a 2-core AMD EPYC (Zen 3, AVX2), 2 threads,
+# q4 576x1536 / 1536x576 / 3072x576 (see benchmarks/int_gemm.py).
+INT_ACTS_MAX_TOKENS = 96
 
-__all__ = ["MAX_TOKENS", "available", "int8_dot_available", "q4_dequantize", "q4_matmul",
-           "q8_dequantize", "q8_matmul", "set_int8_dot"]
+__all__ = ["INT_ACTS_MAX_TOKENS", "MAX_TOKENS", "available", "int8_dot_available", "int_acts_enabled",
+           "int_gemm_isa", "q4_dequantize", "q4_matmul",
+           "q8_dequantize", "q8_matmul", "set_int_acts"]
 
 
 def _lib() -> ctypes.CDLL:
     return build.require()
 
 
-def set_int8_dot(on: bool) -> None:
-    """One-token matmuls with int8-quantized activations (fast, llama.cpp's numerics) or on the
-    exact fp32 kernels. Where the CPU lacks AVX512-VNNI the fp32 kernels always run."""
-    _lib().mw_set_int8_dot(int(on))
+def set_int_acts(on: bool) -> None:
+    """q4/q8 matmuls of up to INT_ACTS_MAX_TOKENS tokens with integer activations (int16 a
+    value, a scale per 32: relative error ~2e-5; the default) or on the exact fp32 kernels (the
+    reference for quality checks). Every CPU has the integer path (AVX2, VNNI or plain C)."""
+    _lib().mw_set_int_acts(int(on))
+
+
+def int_acts_enabled() -> bool:
+    return available() and bool(_lib().mw_int_acts_on())
+
+
+def int_gemm_isa() -> str:
+    """Which integer-activation code path this build runs: "vnni", "avx2" or "c"."""
+    return {3: "vnni", 2: "avx2"}.get(_lib().mw_int_gemm_isa(), "c")
 
 
 def int8_dot_available() -> bool:
@@ -56,8 +71,9 @@ def q8_matmul(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, c: torch.Te
 
 def _matmul(kind: str, x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor,
             c: torch.Tensor) -> torch.Tensor:
-    """One token: the int8-digit gemv where the CPU has it; 2..16: the row kernels; more: the
-    16-token tiles (or, where they are not built, the dequantized weight and BLAS)."""
+    """Up to INT_ACTS_MAX_TOKENS: q4_gemm / q8_gemm, which run the integer kernels while on
+    (else the exact fp32 row kernels); more: the 16-token tiles (or, where they are not built,
+    the dequantized weight and BLAS)."""
     k = x.shape[-1]
     n, group = check_packed(kind, k, codes, s, c)
     check_input(x, k, f"{kind}_matmul")
@@ -66,19 +82,18 @@ def _matmul(kind: str, x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor,
     if m == 0 or n == 0:
         return y
     lib = _lib()
-    tiles, gemv, gemm = ((lib.q4_gemm_tiles, lib.mw_q4_gemv_i8, lib.q4_gemm) if kind == "q4"
-                         else (lib.q8_gemm_tiles, lib.mw_q8_gemv_i8, lib.q8_gemm))
+    tiles, gemm = ((lib.q4_gemm_tiles, lib.q4_gemm) if kind == "q4"
+                   else (lib.q8_gemm_tiles, lib.q8_gemm))
     grouped = () if kind == "q4" else (group,)  # q4's blocks are always 32 wide
     args = (*grouped, codes.data_ptr(), s.data_ptr(), c.data_ptr(), y.data_ptr(), n)
-    if m > MAX_TOKENS:
-        if tiles(x.data_ptr(), m, k, *args):
-            return y
-        weight = q4_dequantize(codes, s, c, k) if kind == "q4" else q8_dequantize(codes, s, c)
-        return _big_linear(x, weight)
-    if m == 1 and gemv(x.data_ptr(), k, *args):
+    small = INT_ACTS_MAX_TOKENS if lib.mw_int_acts_on() else MAX_TOKENS
+    if m <= small:
+        gemm(x.data_ptr(), m, k, *args)  # more than MAX_TOKENS only with integer activations
         return y
-    gemm(x.data_ptr(), m, k, *args)
-    return y
+    if tiles(x.data_ptr(), m, k, *args):
+        return y
+    weight = q4_dequantize(codes, s, c, k) if kind == "q4" else q8_dequantize(codes, s, c)
+    return _big_linear(x, weight)
 
 
 def _big_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""One-token matmuls with activations as two int8 digits and VNNI dot products (decode.c):
-their error is the low digit's rounding, and greedy decoding of the embedded model keeps to
-the exact path."""
+"""q4/q8 matmuls with integer activations (int_gemm.c: int16 with a scale per 32 values;
+int8_dot.c's two int8 digits for one token on AVX512-VNNI), at every batch size: their error is
+the activations' rounding, and greedy decoding of the embedded model keeps to the exact path."""
 
 from __future__ import annotations
 
@@ -12,14 +12,13 @@ from memwall.quant.base import QuantLinear
 from memwall.quant.int4_cpu import NativeQ4
 from memwall.quant.int8_cpu import NativeQ8
 
-pytestmark = pytest.mark.skipif(not quant_ops.int8_dot_available(),
-                                reason="needs the native kernels on a CPU with AVX512-VNNI")
+pytestmark = pytest.mark.skipif(not quant_ops.available(), reason="native kernels not built")
 
 
 def _both(layer: QuantLinear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    quant_ops.set_int8_dot(False)
+    quant_ops.set_int_acts(False)
     exact = layer(x)
-    quant_ops.set_int8_dot(True)
+    quant_ops.set_int_acts(True)
     return exact, layer(x)
 
 
@@ -28,17 +27,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("k, n", [(64, 8), (576, 960), (1536, 576)])
-def test_q4_int8_dot_error_is_activation_rounding(k, n):
+def test_q4_error_is_activation_rounding(k, n):
     g = torch.Generator().manual_seed(k)
     layer = QuantLinear(NativeQ4().create_weights(torch.randn(n, k, generator=g)))
     exact, fast = _both(layer, torch.randn(1, k, generator=g))
-    # two int8 digits a value: ~2e-5 relative error (one digit alone would give ~5e-3); not
-    # zero, which shows the int8 path ran
+    # ~15 bits a value: ~2e-5 relative error (one int8 code alone would give ~5e-3); not zero,
+    # which shows the integer path ran
     assert 0 < _rel(fast, exact) < 1e-4
 
 
 @pytest.mark.parametrize("group", [16, 32, 64, 256])
-def test_q8_int8_dot_all_group_sizes(group):
+def test_q8_all_group_sizes(group):
     g = torch.Generator().manual_seed(group)
     k, n = 256, 40
     q = torch.randint(-128, 128, (n, k), generator=g)
@@ -49,22 +48,33 @@ def test_q8_int8_dot_all_group_sizes(group):
     assert 0 < _rel(fast, exact) < 1e-4
 
 
-def test_int8_dot_is_exact_on_int8_representable_activations():
-    """Activations that are already multiples of their block's max / 127 quantize without
-    error, so the only difference left is float summation order."""
+def test_exact_on_activations_the_integers_represent():
+    """Activations that are already multiples of their block's max / 32767 quantize without
+    error, so the only difference left is float summation order (two tokens: int_gemm.c on
+    every CPU, where one token could take int8_dot.c's digits on AVX512-VNNI)."""
     g = torch.Generator().manual_seed(0)
     k, n = 128, 16
     layer = QuantLinear(NativeQ4().create_weights(torch.randn(n, k, generator=g)))
-    x = torch.randint(-127, 128, (1, k), generator=g).float()
-    x[0, ::32] = 127.0  # every block's max is 127: scale exactly 1
+    x = torch.randint(-32767, 32768, (2, k), generator=g).float()
+    x[:, ::32] = 32767.0  # every block's max is 32767: scale exactly 1
     exact, fast = _both(layer, x)
-    torch.testing.assert_close(fast, exact, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(fast, exact, rtol=1e-5, atol=1e-2)
 
 
-def test_batches_keep_the_exact_kernels():
-    g = torch.Generator().manual_seed(1)
+@pytest.mark.parametrize("tokens", [2, 3, 8, 9, 16, 17, 96])
+def test_batches_take_the_integer_kernels_too(tokens):
+    g = torch.Generator().manual_seed(tokens)
     layer = QuantLinear(NativeQ4().create_weights(torch.randn(32, 128, generator=g)))
-    x = torch.randn(3, 128, generator=g)
+    x = torch.randn(tokens, 128, generator=g)
+    exact, fast = _both(layer, x)
+    assert 0 < _rel(fast, exact) < 1e-4
+
+
+def test_past_the_integer_batch_limit_the_exact_kernels_run():
+    """Prefill-sized batches: dequantize + BLAS (or the AVX-512 tiles) beat the integer kernels."""
+    g = torch.Generator().manual_seed(2)
+    layer = QuantLinear(NativeQ4().create_weights(torch.randn(32, 128, generator=g)))
+    x = torch.randn(quant_ops.INT_ACTS_MAX_TOKENS + 1, 128, generator=g)
     exact, fast = _both(layer, x)
     assert torch.equal(exact, fast)
 
@@ -79,17 +89,16 @@ def test_embedded_model_greedy_agrees_with_the_exact_path(gguf_path):
     prompts = [[{"role": "user", "content": t}] for t in
                ("What is the capital of France?", "Name three primary colors.",
                 "Write a haiku about autumn.")]
-    quant_ops.set_int8_dot(True)
+    quant_ops.set_int_acts(True)
     fast = [o.outputs[0].token_ids for o in llm.chat(prompts, params)]
-    quant_ops.set_int8_dot(False)
+    quant_ops.set_int_acts(False)
     exact = [o.outputs[0].token_ids for o in llm.chat(prompts, params)]
-    quant_ops.set_int8_dot(True)
-    # three prompts decode as a batch (rows > 1 keep the fp32 kernels but the LM head of the
-    # first token is one row); a batch of one runs every projection on the int8 path
+    quant_ops.set_int_acts(True)
+    # three prompts decode as a batch of three, then one alone: both on the integer kernels
     single_fast = llm.chat(prompts[:1], params)[0].outputs[0].token_ids
-    quant_ops.set_int8_dot(False)
+    quant_ops.set_int_acts(False)
     single_exact = llm.chat(prompts[:1], params)[0].outputs[0].token_ids
-    quant_ops.set_int8_dot(True)
+    quant_ops.set_int_acts(True)
     matches = sum(a == b for f, e in zip(fast + [single_fast], exact + [single_exact])
                   for a, b in zip(f, e))
     assert matches / (32 * 4) >= 0.9

@@ -1,0 +1,291 @@
+/* memwall's q4/q8 matmuls with integer activations, for any number of tokens (see kernels.h
+ * for the other files).
+ *
+ * Why: the fp32 kernels (quant_gemm.c) rebuild every weight as s * q + c in float and spend
+ * one FMA per weight and token. Here the weight codes stay integers: a 32-value block of codes
+ * meets a token's 32 quantized activations in two integer multiply-adds (vpmaddwd with AVX2,
+ * vpdpwssd with AVX-512 VNNI), and float work is left only once per block and token.
+ *
+ * Activations as int16, a scale per 32 values: x ~= u * a with u = max|x| / 32767 and
+ * a = round(x / u). One int8 code per activation (llama.cpp's Q8 activations) is too coarse for
+ * small models: SmolLM2's greedy tokens leave the float path's after a few tokens. int16 keeps
+ * a relative error of ~2e-5 (fp16-like). Two int8 digits a value (int8_dot.c's encoding: vpmaddubsw
+ * on AVX2) give the same precision but took 8 vector ops per block and token where int16 takes
+ * 6: on a Zen 3 EPYC (AVX2) 16 tokens ran 1.5x faster as int16. The offset term of a q4_1 weight,
+ * c * sum(x), uses the exact float sums.
+ *
+ *   y[m, n] = sum_b s[n, g(b)] * u[m, b] * dot(q[n, b], a[m, b]) + sum_g c[n, g] * xsum[m, g]
+ *
+ * Layout of the quantized activations (qacts): tokens in tiles of TILE_M; inside a tile, block b
+ * of token m holds its 32 int16 values at ((b * tm + m) * 32), so the row kernels reach every
+ * token of a tile through one pointer and constant offsets.
+ *
+ * Returns 0 (and the caller runs the fp32 kernel) where a shape does not fit: K not a multiple
+ * of 32, or a q8 group that is neither 16 nor a multiple of 32.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#define TILE_M 8     /* tokens a row kernel holds accumulators for (16 ymm registers in AVX2) */
+#define QBLOCK 32    /* activation values per quantization block */
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define MW_INT_AVX2 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define MW_INT_VNNI 1
+#endif
+#endif
+
+/* integer activations for every q4/q8 matmul (here and int8_dot.c's one-token kernels), or
+ * the exact fp32 kernels of quant_gemm.c (the quality benchmark's reference) */
+int mw_int_acts = 1;
+void mw_set_int_acts(int on) { mw_int_acts = on; }
+int mw_int_acts_on(void) { return mw_int_acts; }
+
+/* which code path this build runs: 3 VNNI, 2 AVX2, 1 plain C */
+int mw_int_gemm_isa(void) {
+#if defined(MW_INT_VNNI)
+    return 3;
+#elif defined(MW_INT_AVX2)
+    return 2;
+#else
+    return 1;
+#endif
+}
+
+typedef struct {
+    int64_t M, K, G;   /* tokens, inputs, weight group (for xsum) */
+    int16_t* acts;     /* tiles: [M / TILE_M rounded up][K / 32][tm][32] */
+    float* u;          /* [M][K / 32]: each block's scale */
+    float* xsum_t;     /* tiles: [M / TILE_M rounded up][K / G][TILE_M]: exact sums of x over
+                          each weight group, a tile's tokens side by side (zeros past M) */
+    float* xsum_m;     /* the same sums token by token: [M][K / G] */
+} qacts;
+
+static inline int64_t tile_rows(int64_t M, int64_t m0) { return M - m0 < TILE_M ? M - m0 : TILE_M; }
+
+/* x [M, K] float -> qacts. Returns 0 when out of memory. */
+static int quantize_acts(const float* x, int64_t M, int64_t K, int64_t G, qacts* a) {
+    const int64_t nb = K / QBLOCK, ng = K / G;
+    a->M = M; a->K = K; a->G = G;
+    a->acts = (int16_t*)aligned_alloc(64, (size_t)((M * K * 2 + 63) / 64 * 64));
+    a->u = (float*)malloc(sizeof(float) * (size_t)(M * nb));
+    const int64_t tiles = (M + TILE_M - 1) / TILE_M;
+    a->xsum_t = (float*)calloc((size_t)(tiles * ng * TILE_M), sizeof(float));
+    a->xsum_m = (float*)malloc(sizeof(float) * (size_t)(M * ng));
+    if (!a->acts || !a->u || !a->xsum_t || !a->xsum_m) {
+        free(a->acts); free(a->u); free(a->xsum_t); free(a->xsum_m);
+        return 0;
+    }
+    #pragma omp parallel for schedule(static) if (M * K >= 32768)
+    for (int64_t m = 0; m < M; m++) {
+        const int64_t m0 = m / TILE_M * TILE_M, tm = tile_rows(M, m0);
+        int16_t* tile = a->acts + m0 * K;
+        const float* xm = x + m * K;
+        for (int64_t g = 0; g < ng; g++) {
+            float sum = 0.f;
+            for (int64_t k = g * G; k < (g + 1) * G; k++) sum += xm[k];
+            a->xsum_t[m0 * ng + g * TILE_M + (m - m0)] = sum;
+            a->xsum_m[m * ng + g] = sum;
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            const float* xb = xm + b * QBLOCK;
+            float amax = 0.f;
+            for (int j = 0; j < QBLOCK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+            const float id = amax > 0.f ? 32767.f / amax : 0.f;
+            int16_t* q = tile + (b * tm + (m - m0)) * QBLOCK;
+            for (int j = 0; j < QBLOCK; j++) q[j] = (int16_t)nearbyintf(xb[j] * id);
+            a->u[m * nb + b] = amax / 32767.f;
+        }
+    }
+    return 1;
+}
+
+static void free_acts(qacts* a) { free(a->acts); free(a->u); free(a->xsum_t); free(a->xsum_m); }
+
+#if defined(MW_INT_AVX2)
+/* int32 pair sums w0 . a0 + w1 . a1 (16 int16 each) */
+static inline __m256i dot16(__m256i w0, __m256i a0, __m256i w1, __m256i a1) {
+#if defined(MW_INT_VNNI)
+    return _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), w0, a0), w1, a1);
+#else
+    return _mm256_add_epi32(_mm256_madd_epi16(w0, a0), _mm256_madd_epi16(w1, a1));
+#endif
+}
+
+/* R weight rows (n .. n + R - 1: codes qr + r * row_bytes, scales sr / cr + r * ng) against
+ * the TM tokens of a tile; R * TM <= 8 accumulators, all compile-time constants so they stay
+ * in registers. Several rows for few tokens: one token alone would leave a single FMA chain
+ * (4 cycles a block of latency) and pay a row's reductions for little work. is_q4: codes are
+ * q4 nibbles (16 bytes a block), else q8 (32 signed bytes a block, group G; G = 16 gives each
+ * half-block its own scale). Writes y[m * N + r]. */
+static inline __attribute__((always_inline)) void rows_tile(
+        const int R, const int TM, const int is_q4, const uint8_t* qr, int64_t row_bytes,
+        const float* sr, const float* cr, int64_t G, const int16_t* tile, const float* u,
+        const float* xsum_t, const float* xsum_m, int64_t nb, int64_t ng, float* y, int64_t N) {
+    __m256 acc[8];
+    #pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    const __m128i low4 = _mm_set1_epi8(15);
+    const int split = !is_q4 && G == 16;
+    for (int64_t b = 0; b < nb; b++) {
+        const int16_t* xb = tile + b * TM * QBLOCK;
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const uint8_t* q = qr + r * row_bytes;
+            const float* s = sr + r * ng;
+            __m256i w0, w1;  /* values 0..15 and 16..31 of the block, as int16 */
+            if (is_q4) {
+                const __m128i raw = _mm_loadu_si128((const __m128i*)(q + b * 16));
+                w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low4));
+                w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
+            } else {
+                w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + b * 32)));
+                w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + b * 32 + 16)));
+            }
+            const __m256 vs = _mm256_set1_ps(split ? s[2 * b] : is_q4 ? s[b] : s[b * QBLOCK / G]);
+            #pragma GCC unroll 8
+            for (int m = 0; m < TM; m++) {
+                const __m256i* am = (const __m256i*)(xb + m * QBLOCK);
+                const __m256 um = _mm256_set1_ps(u[m * nb + b]);
+                if (split) {
+                    const __m256 vs1 = _mm256_set1_ps(s[2 * b + 1]);
+                    const __m256 d0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w0, _mm256_load_si256(am)));
+                    const __m256 d1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w1, _mm256_load_si256(am + 1)));
+                    acc[r * TM + m] = _mm256_fmadd_ps(d0, _mm256_mul_ps(vs, um), acc[r * TM + m]);
+                    acc[r * TM + m] = _mm256_fmadd_ps(d1, _mm256_mul_ps(vs1, um), acc[r * TM + m]);
+                } else {
+                    const __m256i d = dot16(w0, _mm256_load_si256(am), w1, _mm256_load_si256(am + 1));
+                    acc[r * TM + m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(vs, um),
+                                                      acc[r * TM + m]);
+                }
+            }
+        }
+    }
+    /* all R * TM sums as one vector: a transpose-and-add tree instead of a reduction each */
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+    __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    float out[8];
+    if (R == 1) {  /* the offset term of all the tile's tokens at once: sum_g c[g] * xsum_t[g][:] */
+        __m256 off[4] = {sums, _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        int64_t g = 0;
+        for (; g + 4 <= ng; g += 4)  /* four chains: one would wait on FMA latency ng times */
+            for (int i = 0; i < 4; i++)
+                off[i] = _mm256_fmadd_ps(_mm256_set1_ps(cr[g + i]),
+                                         _mm256_loadu_ps(xsum_t + (g + i) * TILE_M), off[i]);
+        for (; g < ng; g++)
+            off[0] = _mm256_fmadd_ps(_mm256_set1_ps(cr[g]), _mm256_loadu_ps(xsum_t + g * TILE_M), off[0]);
+        _mm256_storeu_ps(out, _mm256_add_ps(_mm256_add_ps(off[0], off[1]), _mm256_add_ps(off[2], off[3])));
+    } else {  /* R rows x TM tokens: a dot each (independent, so they overlap) */
+        _mm256_storeu_ps(out, sums);
+        #pragma GCC unroll 8
+        for (int i = 0; i < R * TM; i++) out[i] += dot_f32(cr + (i / TM) * ng, xsum_m + (i % TM) * ng, ng);
+    }
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+        #pragma GCC unroll 8
+        for (int m = 0; m < TM; m++) y[m * N + r] = out[r * TM + m];
+}
+
+/* rows [n0, n1) against the TM tokens of a tile: groups of R rows (R = 8 / TM, at most 8),
+ * then the remaining rows one at a time */
+static inline __attribute__((always_inline)) void rows_for_tile(
+        const int TM, const int is_q4, const uint8_t* codes, int64_t row_bytes, const float* s,
+        const float* c, int64_t G, const int16_t* tile, const float* u, const float* xsum_t,
+        const float* xsum_m, int64_t nb, int64_t ng, float* y, int64_t N, int64_t n0, int64_t n1) {
+    const int R = TM == 1 ? 8 : TM == 2 ? 4 : TM <= 4 ? 2 : 1;
+    int64_t n = n0;
+    for (; n + R <= n1; n += R)
+        rows_tile(R, TM, is_q4, codes + n * row_bytes, row_bytes, s + n * ng, c + n * ng, G, tile,
+                  u, xsum_t, xsum_m, nb, ng, y + n, N);
+    for (; n < n1; n++)
+        rows_tile(1, TM, is_q4, codes + n * row_bytes, row_bytes, s + n * ng, c + n * ng, G, tile,
+                  u, xsum_t, xsum_m, nb, ng, y + n, N);
+}
+
+#define TM_CASES(fn, ...) \
+    case 1: fn(1, __VA_ARGS__); break; case 2: fn(2, __VA_ARGS__); break; \
+    case 3: fn(3, __VA_ARGS__); break; case 4: fn(4, __VA_ARGS__); break; \
+    case 5: fn(5, __VA_ARGS__); break; case 6: fn(6, __VA_ARGS__); break; \
+    case 7: fn(7, __VA_ARGS__); break; default: fn(8, __VA_ARGS__); break;
+#endif
+
+/* the weight code at position j of 32-value block b of a row */
+static inline int32_t code_at(int is_q4, const uint8_t* qr, int64_t b, int j) {
+    if (!is_q4) return ((const int8_t*)qr)[b * QBLOCK + j];
+    return j < 16 ? qr[b * 16 + j] & 15 : qr[b * 16 + j - 16] >> 4;
+}
+
+/* rows [n0, n1) against every token, tile by tile (the rows stay in L1 between tiles) */
+static void rows_all_tokens(int is_q4, const qacts* a, const uint8_t* codes, const float* s,
+                            const float* c, float* y, int64_t N, int64_t n0, int64_t n1) {
+    const int64_t K = a->K, G = a->G, nb = K / QBLOCK, ng = K / G;
+    const int64_t row_bytes = is_q4 ? K / 2 : K;
+    for (int64_t m0 = 0; m0 < a->M; m0 += TILE_M) {
+        const int64_t tm = tile_rows(a->M, m0);
+        const int16_t* tile = a->acts + m0 * K;
+        const float* u = a->u + m0 * nb;
+        const float* xsum_t = a->xsum_t + m0 * ng;  /* this tile's [ng][TILE_M] */
+        const float* xsum_m = a->xsum_m + m0 * ng;  /* this tile's [tm][ng] */
+        float* yt = y + m0 * N;
+#if defined(MW_INT_AVX2)
+        if (is_q4) switch (tm) { TM_CASES(rows_for_tile, 1, codes, row_bytes, s, c, G, tile, u, xsum_t, xsum_m, nb, ng, yt, N, n0, n1) }
+        else switch (tm) { TM_CASES(rows_for_tile, 0, codes, row_bytes, s, c, G, tile, u, xsum_t, xsum_m, nb, ng, yt, N, n0, n1) }
+#else
+        (void)xsum_t;
+        for (int64_t n = n0; n < n1; n++) {
+            const uint8_t* qr = codes + n * row_bytes;
+            const float *sr = s + n * ng, *cr = c + n * ng;
+            for (int64_t m = 0; m < tm; m++) {
+                float acc = 0.f;
+                for (int64_t b = 0; b < nb; b++) {
+                    const int16_t* am = tile + (b * tm + m) * QBLOCK;
+                    int32_t half[2] = {0, 0};  /* per 16 values (a q8 group of 16 has a scale each) */
+                    for (int j = 0; j < QBLOCK; j++) half[j / 16] += code_at(is_q4, qr, b, j) * am[j];
+                    const float ub = u[m * nb + b];
+                    if (!is_q4 && G == 16)
+                        acc += sr[2 * b] * ub * (float)half[0] + sr[2 * b + 1] * ub * (float)half[1];
+                    else
+                        acc += (is_q4 ? sr[b] : sr[b * QBLOCK / G]) * ub * (float)(half[0] + half[1]);
+                }
+                for (int64_t g = 0; g < ng; g++) acc += cr[g] * xsum_m[m * ng + g];
+                yt[m * N + n] = acc;
+            }
+        }
+#endif
+    }
+}
+
+static int int_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G,
+                    const void* codes, const float* s, const float* c, float* y, int64_t N) {
+    if (M <= 0 || N <= 0) return 1;  /* nothing to compute */
+    if (!mw_int_acts || K <= 0 || K % QBLOCK || G <= 0 || K % G || !(G == 16 || G % QBLOCK == 0))
+        return 0;
+    qacts a;
+    if (!quantize_acts(x, M, K, G, &a)) return 0;
+    /* threads take runs of 8 rows (the widest row group of rows_tile) */
+    const int64_t chunks = (N + 7) / 8;
+    #pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < chunks; i++)
+        rows_all_tokens(is_q4, &a, (const uint8_t*)codes, s, c, y, N, i * 8,
+                        (i + 1) * 8 < N ? (i + 1) * 8 : N);
+    free_acts(&a);
+    return 1;
+}
+
+/* y [M, N] = x [M, K] @ W^T for a q4 weight (codes [N, K/2], s, c [N, K/32]) with int16
+ * activations; 0 when it cannot (switched off, K not a multiple of 32, out of memory) */
+int mw_q4_gemm_i16(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* s,
+                   const float* c, float* y, int64_t N) {
+    return int_gemm(1, x, M, K, 32, codes, s, c, y, N);
+}
+
+/* the same for a q8 weight (codes [N, K], s, c [N, K/G]) */
+int mw_q8_gemm_i16(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
+                   const float* s, const float* c, float* y, int64_t N) {
+    return int_gemm(0, x, M, K, G, codes, s, c, y, N);
+}
