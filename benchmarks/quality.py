@@ -1,7 +1,11 @@
 """Quality of the quantized-in-memory path against the float path, on one GGUF (issue 5).
 
     python benchmarks/quality.py [--model GGUF] [--threads 2] [--prompts 20] [--max-tokens 64]
-                                 [--ppl-ctx 512] [--ppl-chunks 8] [--batch]
+                                 [--ppl-ctx 512] [--ppl-chunks 8] [--batch] [--reference float|exact]
+
+``--reference exact`` (issue 14) keeps the weights quantized on both sides and compares the
+integer-activation kernels (int_gemm.c, forced on at every batch size, so the perplexity windows
+use them too) against the exact fp32 kernels: the cost of quantizing activations alone.
 
 1. Greedy agreement. The model is loaded twice through the offline API, ``LLM(quantization=
    "auto")`` (GGUF weights stay quantized: memwall/quant) and ``LLM(quantization="none")`` (all
@@ -210,6 +214,10 @@ def main() -> None:
     parser.add_argument("--ppl-ctx", type=int, default=512)
     parser.add_argument("--ppl-chunks", type=int, default=8)
     parser.add_argument("--batch", action="store_true", help="submit all prompts at once")
+    parser.add_argument("--reference", choices=("float", "exact"), default="float",
+                        help="float: quantized weights (auto) against all-float weights (none); "
+                             "exact: both quantized, integer activations (every matmul, also "
+                             "the perplexity windows) against the exact fp32 kernels")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     model = str(args.model or embedded_gguf())
@@ -220,7 +228,9 @@ def main() -> None:
     corpus_text = windows = None
     for quantization in paths:
         clock = time.perf_counter()
-        llm = make_llm(model, quantization, args.threads)
+        llm = make_llm(model, quantization if args.reference == "float" else "auto", args.threads)
+        if args.reference == "exact":  # "auto": integer activations at every size; "none": exact
+            _use_int_acts(quantization == "auto")
         if windows is None:
             corpus_text = build_corpus(llm.tokenizer, args.ppl_ctx * args.ppl_chunks)
             windows = window_ids(llm.tokenizer, corpus_text, args.ppl_ctx, args.ppl_chunks)
@@ -246,6 +256,7 @@ def main() -> None:
         "benchmark": "quality", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu": cpu_model(),
         "model": model, "threads": args.threads, "prompt_source": source,
         "max_tokens": args.max_tokens, "batched": args.batch, "int8_dot": _int8_dot(),
+        "reference": args.reference,
         "agreement": {
             "position": sum(p["position"] for p in per_prompt) / len(per_prompt),
             "prefix": sum(p["prefix"] for p in per_prompt) / len(per_prompt),
@@ -265,6 +276,15 @@ def main() -> None:
     print(f"wrote {path.relative_to(ROOT)}")
 
 
+def _use_int_acts(on: bool) -> None:
+    """Integer activations for every quantized matmul, however many tokens (the perplexity
+    windows too), or the exact fp32 kernels everywhere."""
+    from memwall.kernels.cpu import quant_ops
+
+    quant_ops.set_int_acts(on)
+    quant_ops.INT_ACTS_MAX_TOKENS = 1 << 30 if on else 128
+
+
 def _int8_dot() -> bool:
     from memwall.kernels.cpu import quant_ops as native
 
@@ -272,6 +292,8 @@ def _int8_dot() -> bool:
 
 
 def print_table(report: dict) -> None:
+    if report.get("reference") == "exact":
+        print("reference: exact fp32 kernels; 'quantized' below = integer activations everywhere")
     print(f"{report['cpu']}, {report['threads']} threads, {len(report['per_prompt'])} "
           f"{report['prompt_source']} prompts x {report['max_tokens']} greedy tokens "
           f"({'batched' if report['batched'] else 'one at a time'}; int8 activations in "

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 DEFAULT_BLOCK_SIZE = 16
+DEFAULT_STEP_BUDGET = 2048  # tokens a step, where none was set or measured
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching limits for one engine step."""
 
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_STEP_BUDGET
     """Token budget per step: prefill chunks plus decodes."""
     max_num_seqs: int = 64
     """Most sequences running at once."""
@@ -176,7 +177,11 @@ class EngineArgs:
     kv_cache_fraction: float = _arg(0.25, "share of available RAM for the KV cache when "
                                           "--kv-cache-memory is not given")
     num_kv_blocks: int | None = _arg(None, "exact number of KV blocks (overrides the budgets)")
-    max_num_batched_tokens: int = _arg(2048, "token budget per engine step (prefill chunks + decodes)")
+    max_num_batched_tokens: int | None = _arg(None, "token budget per engine step (prefill chunks + "
+                                                    "decodes); default: chosen at start-up from the "
+                                                    "measured speed of this CPU's kernels "
+                                                    "(memwall/worker/step_shape.py), 2048 on cuda "
+                                                    "or without chunked prefill")
     max_num_seqs: int = _arg(64, "most sequences running at once")
     max_model_len: int | None = _arg(None, "context window in tokens (default: the model's)")
     enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
@@ -222,7 +227,8 @@ class EngineArgs:
 
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
         max_len = min(self.max_model_len or model_max_len, model_max_len)
-        return SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
+        budget = self.max_num_batched_tokens or DEFAULT_STEP_BUDGET  # measured later if None
+        return SchedulerConfig(max_num_batched_tokens=budget,
                                max_num_seqs=self.max_num_seqs, max_model_len=max_len,
                                enable_chunked_prefill=self.enable_chunked_prefill,
                                scheduling_policy=self.scheduling_policy,

@@ -12,6 +12,7 @@ It holds no tokenizer and touches no device: text lives on the API side, tensors
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from memwall.config import EngineArgs
@@ -35,10 +36,17 @@ class EngineCore:
         plan = self.executor.determine_num_blocks(args.cache_config(), sched_cfg)
         self.max_model_len = min(sched_cfg.max_model_len, plan.max_tokens)
         self.executor.init_cache(plan, sched_cfg.max_num_seqs, self.max_model_len)
+        shape = None
+        if args.max_num_batched_tokens is None and sched_cfg.enable_chunked_prefill:
+            shape = self.executor.measure_step_shape(sched_cfg.max_num_seqs, plan.block_size)
+            if shape is not None:
+                sched_cfg = dataclasses.replace(sched_cfg,
+                                                max_num_batched_tokens=shape.max_num_batched_tokens)
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size,
                                  args.cache_config().enable_prefix_caching, plan.num_swap_blocks)
         self.scheduler = Scheduler(sched_cfg, self.kv)
-        description = f"{plan.describe()}; context window {self.max_model_len} tokens"
+        description = f"{plan.describe()}; context window {self.max_model_len} tokens; " + (
+            shape.describe() if shape else f"step budget {sched_cfg.max_num_batched_tokens} tokens")
         device_text = self.executor.describe()
         self.info = EngineCoreInfo(model.name, self.max_model_len, model.vocab_size,
                                    sched_cfg.max_num_seqs,

@@ -14,6 +14,7 @@ from memwall.core.step import RunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:  # the worker side imports torch; the core does not need it to type-check
     from memwall.worker.kv_cache import KVCachePlan
+    from memwall.worker.step_shape import StepShape
     from memwall.worker.worker import ModelInfo
 
 
@@ -29,6 +30,10 @@ class Executor(ABC):
     @abstractmethod
     def init_cache(self, plan: "KVCachePlan", max_num_seqs: int, max_model_len: int) -> None:
         """Allocates the KV cache and prepares the step (CUDA graphs, CPU kernels)."""
+
+    def measure_step_shape(self, max_num_seqs: int, block_size: int) -> "StepShape | None":
+        """The step budget measured on the (driver) worker's kernels; None where not measured."""
+        return None
 
     @abstractmethod
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:

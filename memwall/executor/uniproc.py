@@ -23,6 +23,9 @@ class UniProcExecutor(Executor):
     def init_cache(self, plan, max_num_seqs: int, max_model_len: int) -> None:
         self.worker.init_cache(plan, max_num_seqs, max_model_len)
 
+    def measure_step_shape(self, max_num_seqs: int, block_size: int):
+        return self.worker.measure_step_shape(max_num_seqs, block_size)
+
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         return self.worker.execute(sched)
 

@@ -4,6 +4,7 @@ executor, with plain data: it never sees the model, the device or a tensor.
     load_model()            -> ModelInfo (name, architecture)
     determine_num_blocks()  -> KVCachePlan (free RAM on the CPU, a profiled pass on a GPU)
     init_cache(plan)        -> KV tensors allocated, CUDA graphs captured / CPU kernels built
+    measure_step_shape()    -> StepShape (the CPU step budget from measured kernel speed)
     execute(SchedulerOutput) -> RunnerOutput
 """
 
@@ -23,6 +24,7 @@ from memwall.worker.device import (GpuMemoryProfile, kv_cache_dtype, loader_quan
                                    place_model, profile_gpu_memory)
 from memwall.worker.kv_cache import KVCachePlan, plan_kv_cache
 from memwall.worker.runner import ModelRunner
+from memwall.worker.step_shape import StepShape, measure as measure_step_shape
 
 logger = logging.getLogger("memwall")
 
@@ -80,6 +82,13 @@ class Worker:
         dev = self.device_config
         self.runner = ModelRunner(self.model, self.loaded.arch, plan, kv_cache_dtype(dev),
                                   self.args.seed, dev, max_num_seqs, max_model_len)
+
+    def measure_step_shape(self, max_num_seqs: int, block_size: int) -> StepShape | None:
+        """The CPU step budget from this machine's measured kernel speed (step_shape.py); None
+        on cuda."""
+        if self.device_config.is_cuda:
+            return None
+        return measure_step_shape(self.model, max_num_seqs, block_size)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(sched)

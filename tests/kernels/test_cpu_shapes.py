@@ -79,8 +79,8 @@ def test_quantized_matmuls_at_every_batch_size(isa, kind, k, group):
         assert torch.equal(dequantized, w)  # bit-identical to the reference formula
 
 
-INT8_TOKENS = [0, 1, 2, 7, 8, 9, 15, 16, 17, 33, 95, 96, 97]  # around the 8-token tile,
-# MW_MAX_ROWS and INT_ACTS_MAX_TOKENS (the integer kernels' limit in quant_ops)
+INT_TOKENS = [0, 1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 33, 127, 128, 129]  # around the row groups,
+# the 8-token tile, MW_MAX_ROWS and INT_ACTS_MAX_TOKENS (the integer kernels' limit)
 
 
 @pytest.mark.parametrize("kind, k, group", WEIGHTS)
@@ -94,7 +94,7 @@ def test_integer_activation_kernels_at_every_shape(isa, kind, k, group):
     g = torch.Generator().manual_seed(k + 1)
     for n in (1, 3, 37):
         codes, s, c, w = _weight(kind, n, k, group, seed=n)
-        for m in INT8_TOKENS if n == 37 else (1, 9):
+        for m in INT_TOKENS if n == 37 else (1, 9):
             x = torch.randn(m, k, generator=g)
             y, ref = matmul(x, codes, s, c), x.double() @ w.double().T
             assert y.shape == (m, n) and torch.isfinite(y).all()

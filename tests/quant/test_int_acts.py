@@ -61,7 +61,7 @@ def test_exact_on_activations_the_integers_represent():
     torch.testing.assert_close(fast, exact, rtol=1e-5, atol=1e-2)
 
 
-@pytest.mark.parametrize("tokens", [2, 3, 8, 9, 16, 17, 96])
+@pytest.mark.parametrize("tokens", [2, 3, 8, 9, 16, 17, 128])
 def test_batches_take_the_integer_kernels_too(tokens):
     g = torch.Generator().manual_seed(tokens)
     layer = QuantLinear(NativeQ4().create_weights(torch.randn(32, 128, generator=g)))

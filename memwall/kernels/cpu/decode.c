@@ -199,6 +199,13 @@ static void silu_mul(const float* gate_up, float* act, int64_t B, int64_t inter)
             __m512 sig = _mm512_div_ps(gi, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gi))));
             _mm512_storeu_ps(a + i, _mm512_mul_ps(sig, _mm512_loadu_ps(g + inter + i)));
         }
+#elif defined(__AVX2__) && defined(__FMA__)
+        const __m256 one = _mm256_set1_ps(1.f);
+        for (; i + 8 <= inter; i += 8) {
+            __m256 gi = _mm256_loadu_ps(g + i);
+            __m256 sig = _mm256_div_ps(gi, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gi))));
+            _mm256_storeu_ps(a + i, _mm256_mul_ps(sig, _mm256_loadu_ps(g + inter + i)));
+        }
 #endif
         for (; i < inter; i++) a[i] = g[i] / (1.f + expf(-g[i])) * g[inter + i];
     }

@@ -144,4 +144,38 @@ static inline __m512 exp512(__m512 x) {
 }
 #endif
 
+/* e^x of 8 floats (AVX2): the same Cephes polynomial, the power of two built in the exponent
+ * bits (x is clamped to [-87.3, 88.4], so 2^n stays a normal float) */
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)),
+                      _mm256_set1_ps(-87.3365447505531f));
+    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+    /* fx in [-127, 128]: 2^fx as exponent bits; 128 (x near 88.4) is split in two halves */
+    __m256i n = _mm256_cvtps_epi32(fx);
+    __m256i half = _mm256_srai_epi32(n, 1);
+    __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+    __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_sub_epi32(n, half), _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(y, p1), p2);
+}
+
+/* r[i] = sum of the 8 lanes of v[i], for 8 vectors: a transpose-and-add tree */
+static inline __m256 hsum8x8(const __m256* v) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+#endif
+
 #endif  /* MEMWALL_KERNELS_H */

@@ -30,6 +30,16 @@ static float exp_shift_sum(float* v, int64_t n, float shift) {
         i = n;
     }
     sum = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps(), sh = _mm256_set1_ps(shift);
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(v + i), sh));
+        _mm256_storeu_ps(v + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 #endif
     for (; i < n; i++) { v[i] = expf(v[i] - shift); sum += v[i]; }
     return sum;
@@ -98,6 +108,24 @@ static void attend_range(const float* qh, int64_t group, int64_t D, const float*
             }
         }
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (D % 8 == 0) {  /* 8 keys at a time: 8 partial-sum vectors, one reduction tree */
+        for (; t + 8 <= t1; t += 8) {
+            const float* kp[8];
+            for (int i = 0; i < 8; i++) kp[i] = KV_AT(k_cache, t + i);
+            for (int64_t j = 0; j < group; j++) {
+                const float* qj = qh + j * D;
+                __m256 acc[8];
+                for (int i = 0; i < 8; i++) {
+                    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qj), _mm256_loadu_ps(kp[i]));
+                    for (int64_t c = 8; c < D; c += 8)
+                        a = _mm256_fmadd_ps(_mm256_loadu_ps(qj + c), _mm256_loadu_ps(kp[i] + c), a);
+                    acc[i] = a;
+                }
+                _mm256_storeu_ps(scores + j * n + (t - t0), _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
+            }
+        }
+    }
 #endif
     for (; t < t1; t++) {
         const float* kp = KV_AT(k_cache, t);
@@ -130,6 +158,23 @@ static void attend_range(const float* qh, int64_t group, int64_t D, const float*
             }
         }
         for (int64_t i = 0; i < group * nd; i++) _mm512_storeu_ps(o + 16 * i, acc[i]);
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (D % 8 == 0 && D / 8 <= 12) {  /* one head's output in registers, head by head */
+        const int64_t nd = D / 8;
+        for (int64_t j = 0; j < group; j++) {
+            __m256 acc[12];
+            for (int64_t c = 0; c < nd; c++) acc[c] = _mm256_setzero_ps();
+            const float* sj = scores + j * n - t0;
+            for (int64_t u = t0; u < t1; u++) {
+                const float* vp = KV_AT(v_cache, u);
+                const __m256 p = _mm256_set1_ps(sj[u]);
+                for (int64_t c = 0; c < nd; c++)
+                    acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 8 * c), acc[c]);
+            }
+            for (int64_t c = 0; c < nd; c++) _mm256_storeu_ps(o + j * D + 8 * c, acc[c]);
+        }
+        t = t1;
     }
 #endif
     for (; t < t1; t++) {

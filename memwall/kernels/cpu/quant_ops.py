@@ -2,10 +2,10 @@
 q4/q8 layouts of layout.py: ``x`` float32 [M, K] (contiguous) -> ``y`` float32 [M, N].
 
     M = 0            an empty [0, N], no C call (a prefill chunk that needs no logits)
-    M = 1..96        int16 activations (int_gemm.c: AVX2 vpmaddwd, AVX-512 VNNI vpdpwssd, plain
+    M = 1..128       int16 activations (int_gemm.c: AVX2 vpmaddwd, AVX-512 VNNI vpdpwssd, plain
                      C; int8_dot.c's int8-digit gemv for one token on AVX512-VNNI) while
                      ``set_int_acts(True)`` (the default); else the exact fp32 row kernels
-    M > 96           16-token fp32 tiles, a tile per thread (AVX-512 builds); elsewhere the
+    M > 128          16-token fp32 tiles, a tile per thread (AVX-512 builds); elsewhere the
                      weight is dequantized once and multiplied by BLAS
     K, N             K must fit the layout (a multiple of 32 for q4, of the group for q8);
                      anything else raises ValueError (layout.LayoutError) before C runs
@@ -28,7 +28,7 @@ MAX_TOKENS = 16  # MW_MAX_ROWS in kernels.h: larger batches go in tiles of this 
 # Up to this many tokens the integer kernels beat dequantize + BLAS; past it fp32 BLAS (near
 # the FMA peak on large batches) wins. Measured on a 2-core AMD EPYC (Zen 3, AVX2), 2 threads,
 # q4 576x1536 / 1536x576 / 3072x576 (see benchmarks/int_gemm.py).
-INT_ACTS_MAX_TOKENS = 96
+INT_ACTS_MAX_TOKENS = 128
 
 __all__ = ["INT_ACTS_MAX_TOKENS", "MAX_TOKENS", "available", "int8_dot_available", "int_acts_enabled",
            "int_gemm_isa", "q4_dequantize", "q4_matmul",

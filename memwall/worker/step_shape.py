@@ -1,0 +1,108 @@
+"""The step's token budget, chosen from the kernels' measured speed on this machine (CPU).
+
+Why: one engine step runs every scheduled token through the model together, so a prefill chunk
+that joins running decodes makes each of them wait for it. With a fixed budget of 2048 tokens, a
+burst of 16 short prompts was prefilled in one ~3 s step on a 2-core EPYC: every first token
+waited for all of them, and every running sequence stalled for the whole step. A budget sized
+so that a mixed step costs a few decode steps bounds the inter-token latency under prefill
+pressure, and spreads a burst's prefills over steps so that the first prompts start answering
+sooner (time to first token p50 about halves); the total work stays the same, because past a
+few dozen tokens a matmul's cost per token hardly changes.
+
+    decode_s    a decode step of ``decode_batch`` sequences (one token each) through every
+                projection and the LM head
+    prefill     tokens per second of a ``PREFILL_PROBE``-token chunk through the projections
+    budget      decode_batch + the prefill tokens that fit in a slice of time: (MIXED_STEP_FACTOR
+                - 1) decode steps, but at least MIN_PREFILL_SLICE_S; in whole KV blocks, within
+                [MIN_BUDGET, MAX_BUDGET]
+
+Measured on a 2-core AMD EPYC (Zen 3, AVX2), SmolLM2-135M Q4_1, 16 streams of 128 in / 128 out
+(benchmarks/serve.py): budget 2048 gave 186 output tokens/s, TTFT p50 3.5 s, TPOT p50 59 ms;
+512: 170 tokens/s, 1.8 s, 80 ms; 256: 155, 1.4 s, 92 ms; 96: 153, 0.8 s, 98 ms (ITL p90 226 ms).
+Chunks below ~128 tokens lose the prefill's matmul efficiency (quant_ops.INT_ACTS_MAX_TOKENS:
+BLAS wins above it) and multiply the mixed steps, so the slice has a floor of half a second of
+prefill (336 tokens there), which keeps TTFT p50 at about half of one-step prefill.
+
+Attention is left out of the measurement: at the short contexts where the budget matters its
+cost is a small share of the projections'. A budget the user sets (``max_num_batched_tokens``)
+is used as given; CUDA keeps config.DEFAULT_STEP_BUDGET (its kernels are not the ones measured
+here), and so does a scheduler without chunked prefill (a prompt must fit one step).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from memwall.config import DEFAULT_STEP_BUDGET
+
+MAX_BUDGET = DEFAULT_STEP_BUDGET  # the most a measured budget may be
+MIN_BUDGET = 64
+MIXED_STEP_FACTOR = 4.0  # a step with a prefill chunk may cost this many decode-only steps
+MIN_PREFILL_SLICE_S = 0.5  # ... or this long, whichever is more (see above)
+PREFILL_PROBE = 128  # tokens of the measured prefill chunk
+MAX_DECODE_PROBE = 16  # decode batch measured (max_num_seqs when smaller)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    max_num_batched_tokens: int
+    decode_batch: int
+    decode_step_s: float
+    prefill_tokens_per_s: float
+
+    def describe(self) -> str:
+        return (f"step budget {self.max_num_batched_tokens} tokens (measured here: a "
+                f"{self.decode_batch}-sequence decode step {self.decode_step_s * 1e3:.1f} ms, "
+                f"prefill {self.prefill_tokens_per_s:.0f} tokens/s)")
+
+
+def choose_budget(decode_step_s: float, prefill_tokens_per_s: float, decode_batch: int,
+                  block_size: int) -> int:
+    """decode_batch + the prefill tokens that fit in max((MIXED_STEP_FACTOR - 1) decode steps,
+    MIN_PREFILL_SLICE_S), rounded down to whole blocks, within [MIN_BUDGET, MAX_BUDGET]."""
+    slice_s = max((MIXED_STEP_FACTOR - 1.0) * decode_step_s, MIN_PREFILL_SLICE_S)
+    chunk = prefill_tokens_per_s * slice_s
+    chunk = int(chunk) // block_size * block_size
+    return max(MIN_BUDGET, min(MAX_BUDGET, decode_batch + chunk))
+
+
+def _projections(model: nn.Module) -> list[nn.Module]:
+    """The modules a token passes through that hold weights (each decoder layer's Linear-like
+    children), found by their ``in_features`` attribute: nn.Linear and memwall's QuantLinear."""
+    return [m for name, m in model.model.layers.named_modules()
+            if hasattr(m, "in_features") and not any(True for _ in m.children())]
+
+
+@torch.inference_mode()
+def _pass_seconds(model: nn.Module, projections: list[nn.Module], tokens: int,
+                  with_head: bool, repeats: int = 1) -> float:
+    """Best of ``repeats`` timings of ``tokens`` rows through every projection (and the LM
+    head), after one warm-up pass."""
+    width = {m.in_features for m in projections}
+    if with_head:
+        width.add(model.config.hidden_size)
+    inputs = {k: torch.randn(tokens, k) for k in width}
+    best = float("inf")
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        for m in projections:
+            m(inputs[m.in_features])
+        if with_head:
+            model.compute_logits(inputs[model.config.hidden_size])
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure(model: nn.Module, max_num_seqs: int, block_size: int) -> StepShape:
+    """Times a decode step and a prefill chunk on this machine and picks the budget."""
+    projections = _projections(model)
+    decode_batch = max(1, min(max_num_seqs, MAX_DECODE_PROBE))
+    decode_s = _pass_seconds(model, projections, decode_batch, with_head=True)
+    prefill_s = _pass_seconds(model, projections, PREFILL_PROBE, with_head=False)
+    rate = PREFILL_PROBE / max(prefill_s, 1e-9)
+    budget = choose_budget(decode_s, rate, decode_batch, block_size)
+    return StepShape(budget, decode_batch, decode_s, rate)
