@@ -239,7 +239,7 @@ def main() -> None:
         tokens[quantization] = greedy_tokens(llm, prompts, args.max_tokens, args.batch)
         seconds[f"{quantization}_greedy"] = time.perf_counter() - clock
         clock = time.perf_counter()
-        ppl[quantization] = perplexity(llm.engine.loaded, windows)
+        ppl[quantization] = perplexity(llm.engine.core.executor.worker.loaded, windows)
         seconds[f"{quantization}_ppl"] = time.perf_counter() - clock
         print(f"{quantization}: " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()
                                               if k.startswith(quantization)), flush=True)
@@ -255,7 +255,7 @@ def main() -> None:
     report = {
         "benchmark": "quality", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu": cpu_model(),
         "model": model, "threads": args.threads, "prompt_source": source,
-        "max_tokens": args.max_tokens, "batched": args.batch, "int8_dot": _int8_dot(),
+        "max_tokens": args.max_tokens, "batched": args.batch, "int_acts": _int_acts(),
         "reference": args.reference,
         "agreement": {
             "position": sum(p["position"] for p in per_prompt) / len(per_prompt),
@@ -285,10 +285,11 @@ def _use_int_acts(on: bool) -> None:
     quant_ops.INT_ACTS_MAX_TOKENS = 1 << 30 if on else 128
 
 
-def _int8_dot() -> bool:
-    from memwall.kernels.cpu import quant_ops as native
+def _int_acts() -> str:
+    """Which integer-activation path the quantized side ran ("off" without native kernels)."""
+    from memwall.kernels.cpu import quant_ops
 
-    return native.int8_dot_available()
+    return quant_ops.int_gemm_isa() if quant_ops.available() else "off"
 
 
 def print_table(report: dict) -> None:
@@ -296,8 +297,8 @@ def print_table(report: dict) -> None:
         print("reference: exact fp32 kernels; 'quantized' below = integer activations everywhere")
     print(f"{report['cpu']}, {report['threads']} threads, {len(report['per_prompt'])} "
           f"{report['prompt_source']} prompts x {report['max_tokens']} greedy tokens "
-          f"({'batched' if report['batched'] else 'one at a time'}; int8 activations in "
-          f"one-token matmuls: {report['int8_dot']})")
+          f"({'batched' if report['batched'] else 'one at a time'}; integer activations: "
+          f"{report['int_acts']})")
     print(f"{'prompt':>6}{'same positions':>16}{'same prefix':>13}{'first diff':>12}")
     for i, p in enumerate(report["per_prompt"]):
         diff = "-" if p["first_divergence"] is None else str(p["first_divergence"])

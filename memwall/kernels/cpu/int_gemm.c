@@ -191,13 +191,14 @@ static inline __attribute__((always_inline)) void rows_tile(
         for (int m = 0; m < TM; m++) y[m * N + r] = out[r * TM + m];
 }
 
-/* rows [n0, n1) against the TM tokens of a tile: groups of R rows (R = 8 / TM, at most 8),
+/* rows [n0, n1) against the TM tokens of a tile: groups of R rows (4 for one or two tokens: 8
+ * rows for one token measured no faster; 2 for three or four; else 1),
  * then the remaining rows one at a time */
 static inline __attribute__((always_inline)) void rows_for_tile(
         const int TM, const int is_q4, const uint8_t* codes, int64_t row_bytes, const float* s,
         const float* c, int64_t G, const int16_t* tile, const float* u, const float* xsum_t,
         const float* xsum_m, int64_t nb, int64_t ng, float* y, int64_t N, int64_t n0, int64_t n1) {
-    const int R = TM == 1 ? 8 : TM == 2 ? 4 : TM <= 4 ? 2 : 1;
+    const int R = TM == 1 ? 4 : TM == 2 ? 4 : TM <= 4 ? 2 : 1;
     int64_t n = n0;
     for (; n + R <= n1; n += R)
         rows_tile(R, TM, is_q4, codes + n * row_bytes, row_bytes, s + n * ng, c + n * ng, G, tile,
@@ -267,7 +268,7 @@ static int int_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G,
         return 0;
     qacts a;
     if (!quantize_acts(x, M, K, G, &a)) return 0;
-    /* threads take runs of 8 rows (the widest row group of rows_tile) */
+    /* threads take runs of 8 rows (whole row groups of rows_for_tile) */
     const int64_t chunks = (N + 7) / 8;
     #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < chunks; i++)
