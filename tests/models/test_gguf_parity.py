@@ -11,25 +11,12 @@ import pytest
 import torch
 
 from memwall.attention.metadata import AttentionMetadata
-from memwall.kernels.cpu import quant_ops
 from memwall.loader.model_loader import load_model
 from memwall.worker.kv_cache import KVCachePlan, allocate_kv_cache
 
 GGUF_ATOL = 1e-3
 GGUF_RTOL = 1e-3
-
-
-@pytest.fixture(autouse=True)
-def exact_kernels():
-    """Parity with the torch path is checked on the exact fp32 kernels: integer activations
-    (the default) differ by their rounding, ~2e-5 relative, and have their own tests
-    (tests/quant/test_int_acts.py)."""
-    if not quant_ops.available():
-        yield
-        return
-    quant_ops.set_int_acts(False)
-    yield
-    quant_ops.set_int_acts(True)
+pytestmark = pytest.mark.usefixtures("exact_kernels")  # parity with transformers: exact kernels
 
 
 @pytest.fixture(scope="module")
