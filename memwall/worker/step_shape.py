@@ -19,9 +19,12 @@ few dozen tokens a matmul's cost per token hardly changes.
 Measured on a 2-core AMD EPYC (Zen 3, AVX2), SmolLM2-135M Q4_1, 16 streams of 128 in / 128 out
 (benchmarks/serve.py): budget 2048 gave 186 output tokens/s, TTFT p50 3.5 s, TPOT p50 59 ms;
 512: 170 tokens/s, 1.8 s, 80 ms; 256: 155, 1.4 s, 92 ms; 96: 153, 0.8 s, 98 ms (ITL p90 226 ms).
-Chunks below ~128 tokens lose the prefill's matmul efficiency (quant_ops.INT_ACTS_MAX_TOKENS:
-BLAS wins above it) and multiply the mixed steps, so the slice has a floor of half a second of
-prefill (336 tokens there), which keeps TTFT p50 at about half of one-step prefill.
+A measured budget of 288 (a floor of half a second): 164 tokens/s, 1.3 s, 90 ms; 576 (a floor
+of one second, the default): 169 tokens/s, 2.0 s, 81 ms. Chunks below ~128 tokens lose the
+prefill's matmul efficiency (quant_ops.INT_ACTS_MAX_TOKENS: BLAS wins above it) and multiply the
+mixed steps; a chunk costs running decodes as much as it costs the prefill, so inter-token
+latency does not improve with smaller chunks here, only TTFT does. The one-second floor keeps
+most of the throughput and still cuts TTFT p50 to ~0.6x of one-step prefill.
 
 Attention is left out of the measurement: at the short contexts where the budget matters its
 cost is a small share of the projections'. A budget the user sets (``max_num_batched_tokens``)
@@ -42,7 +45,7 @@ from memwall.config import DEFAULT_STEP_BUDGET
 MAX_BUDGET = DEFAULT_STEP_BUDGET  # the most a measured budget may be
 MIN_BUDGET = 64
 MIXED_STEP_FACTOR = 4.0  # a step with a prefill chunk may cost this many decode-only steps
-MIN_PREFILL_SLICE_S = 0.5  # ... or this long, whichever is more (see above)
+MIN_PREFILL_SLICE_S = 1.0  # ... or this long, whichever is more (see above)
 PREFILL_PROBE = 128  # tokens of the measured prefill chunk
 MAX_DECODE_PROBE = 16  # decode batch measured (max_num_seqs when smaller)
 

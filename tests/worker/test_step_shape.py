@@ -12,11 +12,11 @@ from memwall.worker.step_shape import (MAX_BUDGET, MIN_BUDGET, MIN_PREFILL_SLICE
 
 
 def test_budget_is_the_prefill_that_fits_beside_the_decodes():
-    # 3 decode steps of 250 ms at 1000 tokens/s: 750 tokens, in whole 16-token blocks -> 736
-    assert choose_budget(0.250, 1000.0, 16, 16) == 16 + 736
-    # fast decode steps: the half-second floor (500 tokens -> 496)
-    assert choose_budget(0.010, 1000.0, 16, 16) == 16 + 496
-    assert (MIXED_STEP_FACTOR, MIN_PREFILL_SLICE_S) == (4.0, 0.5)  # the arithmetic above
+    # 3 decode steps of 500 ms at 1000 tokens/s: 1500 tokens, in whole 16-token blocks -> 1488
+    assert choose_budget(0.500, 1000.0, 16, 16) == 16 + 1488
+    # fast decode steps: the one-second floor (1000 tokens -> 992)
+    assert choose_budget(0.010, 1000.0, 16, 16) == 16 + 992
+    assert (MIXED_STEP_FACTOR, MIN_PREFILL_SLICE_S) == (4.0, 1.0)  # the arithmetic above
 
 
 def test_budget_follows_the_machine():
