@@ -137,6 +137,8 @@ static inline __attribute__((always_inline)) void rows_tile(
         for (int r = 0; r < R; r++) {
             const uint8_t* q = qr + r * row_bytes;
             const float* s = sr + r * ng;
+            if (TM <= 2 && (b & 3) == 0)  /* few tokens: the rows stream from DRAM; ask early */
+                _mm_prefetch((const char*)(q + (is_q4 ? 16 : 32) * (b + 16)), _MM_HINT_T0);
             __m256i w0, w1;  /* values 0..15 and 16..31 of the block, as int16 */
             if (is_q4) {
                 const __m128i raw = _mm_loadu_si128((const __m128i*)(q + b * 16));
