@@ -4,15 +4,19 @@ need a model larger than the embedded one (memory, speed) without downloading on
     python benchmarks/synthetic_gguf.py --preset llama-1b --out /tmp/llama-1b-q4_1.gguf
 
 The weights are random but well-formed (finite fp16 scales, weights within +-0.15), laid out
-as llama.cpp's converter writes a Q4_1 file: Q4_1 matrices, Q8_0 token embedding tied to the
-output, F32 norms. The tokenizer and chat template are copied from the embedded SmolLM2 file,
-so the vocabulary is its 49,152 tokens and both memwall and llama.cpp load and run the file.
-The text it generates is noise; its sizes are those of a real model of that shape.
+as the embedded SmolLM2 Q4_1 file is: Q4_1 matrices, a Q8_0 token embedding tied to the
+output, F32 norms. The tokenizer and chat template are copied from the embedded file; a preset
+whose vocabulary is larger than its 49,152 tokens (Llama 3.2's 128,256) pads the token list
+with unused tokens ``<|unused_N|>`` (type UNUSED: never produced by the tokenizer, ordinary
+vocabulary entries for both engines), so the embedding table and the logits have the real
+model's size. Both memwall and llama.cpp load and run the file. The text it generates is
+noise; its sizes are those of a real model of that shape.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -23,12 +27,13 @@ if __package__ in (None, ""):
 
 from benchmarks.servers import embedded_gguf  # noqa: E402
 
-# name -> (hidden, layers, heads, kv_heads, ffn)
+# name -> (hidden, layers, heads, kv_heads, ffn, vocab)
 PRESETS = {
-    "llama-1b": (2048, 16, 32, 8, 8192),    # Llama-3.2-1B's shape (SmolLM2's vocabulary)
-    "llama-3b": (3072, 28, 24, 8, 8192),    # Llama-3.2-3B's shape
-    "smollm2-360m": (960, 32, 15, 5, 2560),
+    "llama-1b": (2048, 16, 32, 8, 8192, 128256),   # Llama-3.2-1B's shape and vocabulary size
+    "llama-3b": (3072, 28, 24, 8, 8192, 128256),   # Llama-3.2-3B's
+    "smollm2-360m": (960, 32, 15, 5, 2560, 49152),
 }
+TOKEN_UNUSED = 5  # llama.cpp's LLAMA_TOKEN_TYPE_UNUSED
 
 
 def q4_1_rows(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
@@ -52,15 +57,20 @@ def q8_0_rows(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
     return out.reshape(rows, cols // 32 * 34)
 
 
-def copy_tokenizer(writer, source: Path) -> int:
-    """Every tokenizer.* key of ``source``; returns its vocabulary size. (memwall's own GGUF
-    reader: its fields are shaped like gguf.GGUFReader's, and it opens the file in 0.1 s.)"""
+def copy_tokenizer(writer, source: Path, vocab: int | None = None) -> int:
+    """Every tokenizer.* key of ``source``, the token list padded to ``vocab`` entries with
+    unused tokens (None: as it is); returns the vocabulary size. (memwall's own GGUF reader:
+    its fields are shaped like gguf.GGUFReader's, and it opens the file in 0.1 s.)"""
     import gguf
 
     from memwall.loader.gguf_loader import open_gguf
 
-    vocab = 0
-    for key, field in open_gguf(source).fields.items():
+    fields = open_gguf(source).fields
+    size = len(fields["tokenizer.ggml.tokens"].data)
+    if vocab is not None and vocab < size:
+        raise ValueError(f"vocab {vocab} is smaller than the source tokenizer's {size} tokens")
+    pad = (vocab or size) - size
+    for key, field in fields.items():
         if not key.startswith("tokenizer."):
             continue
         vtype = field.types[0]
@@ -71,18 +81,23 @@ def copy_tokenizer(writer, source: Path) -> int:
                 values = [bytes(v).decode("utf-8", errors="surrogateescape") for v in values]
             else:
                 values = [v.tolist()[0] for v in values]
-            writer.add_key_value(key, values, vtype, sub_type=sub)
             if key == "tokenizer.ggml.tokens":
-                vocab = len(values)
+                values += [f"<|unused_{i}|>" for i in range(pad)]
+            elif key == "tokenizer.ggml.token_type":
+                values += [TOKEN_UNUSED] * pad
+            elif key == "tokenizer.ggml.scores":
+                values += [0.0] * pad
+            writer.add_key_value(key, values, vtype, sub_type=sub)
         elif vtype == gguf.GGUFValueType.STRING:
             writer.add_key_value(key, bytes(values[0]).decode("utf-8"), vtype)
         else:
             writer.add_key_value(key, values[0].tolist()[0], vtype)
-    return vocab
+    return size + pad
 
 
 def write(out: Path, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int,
-          seed: int = 0) -> Path:
+          vocab: int | None = None, seed: int = 0) -> Path:
+    """Write the file; ``vocab`` None keeps the embedded tokenizer's 49,152 tokens."""
     import gguf
     from gguf import GGMLQuantizationType as Q
 
@@ -90,7 +105,7 @@ def write(out: Path, hidden: int, layers: int, heads: int, kv_heads: int, ffn: i
     writer = gguf.GGUFWriter(str(out), "llama")
     writer.add_name(f"synthetic-llama-{hidden}x{layers}")
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
-    vocab = copy_tokenizer(writer, embedded_gguf())
+    vocab = copy_tokenizer(writer, embedded_gguf(), vocab)
     head_dim = hidden // heads
     writer.add_block_count(layers)
     writer.add_context_length(8192)
@@ -117,6 +132,21 @@ def write(out: Path, hidden: int, layers: int, heads: int, kv_heads: int, ffn: i
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+CACHE_DIR = Path.home() / ".cache" / "memwall" / "synthetic"
+
+
+def cached(preset: str, directory: Path = CACHE_DIR) -> Path:
+    """The preset's file (seed 0) under ``directory``, written first if it is not there yet
+    (to a temporary name, so an interrupted write never leaves a half file behind)."""
+    out = directory / f"{preset}-v{PRESETS[preset][-1]}-q4_1.gguf"
+    if not out.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".tmp{os.getpid()}")
+        print(f"writing {out} (once; takes a minute)", file=sys.stderr)
+        write(tmp, *PRESETS[preset]).rename(out)
     return out
 
 
