@@ -50,12 +50,17 @@ BLOCK = 16
 
 
 def proc_status(pid: int | str = "self") -> dict[str, float]:
-    """VmRSS / VmHWM / RssAnon / RssFile of a process, in MB."""
+    """VmRSS / VmHWM / RssAnon / RssFile of a process, and AnonHugePages (anonymous memory in
+    transparent huge pages: a region madvised MADV_HUGEPAGE, as numpy does for its large
+    arrays, may be made resident 2 MB at a time by khugepaged, untouched pages included), in MB."""
     out = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         key, _, value = line.partition(":")
         if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
             out[key] = int(value.split()[0]) / 1024
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            out["AnonHugePages"] = int(line.split()[1]) / 1024
     return out
 
 
@@ -83,6 +88,7 @@ def worker_memwall(spec: dict) -> dict:
     status = proc_status()
     return {"peak_rss_mb": status["VmHWM"], "rss_mb": status["VmRSS"],
             "rss_anon_mb": status["RssAnon"], "rss_file_mb": status["RssFile"],
+            "anon_huge_mb": status.get("AnonHugePages"),
             "rss_after_mb": stages, "peak_after_mb": peaks, "load_s": load_s,
             "prompt_tokens": len(out.prompt_token_ids), "output_tokens": len(out.outputs[0].token_ids)}
 
@@ -117,6 +123,7 @@ def run_llama(args: argparse.Namespace, prompt: str) -> dict:
     timings = reply.get("timings", {})
     return {"peak_rss_mb": status["VmHWM"], "rss_mb": status["VmRSS"],
             "rss_anon_mb": status["RssAnon"], "rss_file_mb": status["RssFile"],
+            "anon_huge_mb": status.get("AnonHugePages"),
             "rss_after_mb": {"load": loaded["VmRSS"], "generate": status["VmRSS"]},
             "prompt_tokens": timings.get("prompt_n"), "output_tokens": timings.get("predicted_n"),
             "argv": command.argv}
@@ -189,13 +196,14 @@ def print_table(report: dict) -> None:
           f"{report['prompt_tokens']} prompt + {report['decode_tokens']} decode tokens, "
           f"median of {report['runs']}")
     print(f"{'engine':<11}{'peak RSS MB':>12}{'final RSS MB':>13}{'anon MB':>9}{'file MB':>9}"
-          f"{'tokens in/out':>15}")
+          f"{'THP MB':>8}{'tokens in/out':>15}")
     for name, r in report["results"].items():
         if "error" in r:
             print(f"{name:<11}  error: {r['error']}")
             continue
+        tokens = f"{r['prompt_tokens']}/{r['output_tokens']}"
         print(f"{name:<11}{r['peak_rss_mb']:>12.0f}{r['rss_mb']:>13.0f}{r['rss_anon_mb']:>9.0f}"
-              f"{r['rss_file_mb']:>9.0f}{str(r['prompt_tokens']) + '/' + str(r['output_tokens']):>15}")
+              f"{r['rss_file_mb']:>9.0f}{r.get('anon_huge_mb') or 0:>8.0f}{tokens:>15}")
     memwall = report["results"].get("memwall", {})
     for key, what in (("rss_after_mb", "RSS"), ("peak_after_mb", "peak RSS")):
         if memwall.get(key):
