@@ -2,10 +2,16 @@
 
     python benchmarks/quality.py [--model GGUF] [--threads 2] [--prompts 20] [--max-tokens 64]
                                  [--ppl-ctx 512] [--ppl-chunks 8] [--batch] [--reference float|exact]
+                                 [--kv-cache-dtype fp16|bf16|int8|fp8]
 
 ``--reference exact`` (issue 14) keeps the weights quantized on both sides and compares the
 integer-activation kernels (int_gemm.c, forced on at every batch size, so the perplexity windows
 use them too) against the exact fp32 kernels: the cost of quantizing activations alone.
+
+``--kv-cache-dtype`` (issue 14) compares KV cache formats instead: both sides keep the GGUF
+weights quantized ("auto"), the tested side stores K/V in the given format (memwall/attention/
+kv_quant.py), the reference in fp32; the perplexity windows write and read the same formats.
+In the report "auto" is then the tested format and "none" the fp32-KV reference.
 
 1. Greedy agreement. The model is loaded twice through the offline API, ``LLM(quantization=
    "auto")`` (GGUF weights stay quantized: memwall/quant) and ``LLM(quantization="none")`` (all
@@ -122,11 +128,11 @@ def build_corpus(tokenizer, tokens: int) -> str:
 
 
 # ---- greedy agreement ----------------------------------------------------------------------------
-def make_llm(model: str, quantization: str, threads: int):
+def make_llm(model: str, quantization: str, threads: int, kv_cache_dtype: str = "auto"):
     from memwall import LLM
 
     return LLM(model, quantization=quantization, threads=threads, num_kv_blocks=1024,
-               max_model_len=4096)
+               max_model_len=4096, kv_cache_dtype=kv_cache_dtype)
 
 
 def greedy_tokens(llm, prompts: list[str], max_tokens: int, batch: bool) -> list[list[int]]:
@@ -162,8 +168,9 @@ def window_ids(tokenizer, text: str, ctx: int, chunks: int) -> list[list[int]]:
     return windows
 
 
-def perplexity(loaded, windows: list[list[int]]) -> dict:
-    """exp(mean NLL) of each window's second half, one prefill per window."""
+def perplexity(loaded, windows: list[list[int]], kv_dtype=None) -> dict:
+    """exp(mean NLL) of each window's second half, one prefill per window, its K/V stored in
+    ``kv_dtype`` (a torch dtype; default float32) and read back from there."""
     import torch
 
     from memwall.attention.metadata import AttentionMetadata
@@ -172,7 +179,8 @@ def perplexity(loaded, windows: list[list[int]]) -> dict:
     block, nll, count = 16, 0.0, 0
     for ids in windows:
         blocks = len(ids) // block + 1
-        caches = allocate_kv_cache(loaded.arch, KVCachePlan(blocks, block, 0), torch.float32)
+        caches = allocate_kv_cache(loaded.arch, KVCachePlan(blocks, block, 0),
+                                   kv_dtype or torch.float32)
         meta = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(blocks))], block)
         with torch.no_grad():
             hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), caches, meta)
@@ -218,6 +226,9 @@ def main() -> None:
                         help="float: quantized weights (auto) against all-float weights (none); "
                              "exact: both quantized, integer activations (every matmul, also "
                              "the perplexity windows) against the exact fp32 kernels")
+    parser.add_argument("--kv-cache-dtype", default=None,
+                        help="compare this KV cache format against fp32 KV (same quantized "
+                             "weights on both sides) instead of weight formats")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     model = str(args.model or embedded_gguf())
@@ -226,9 +237,11 @@ def main() -> None:
 
     paths, tokens, ppl, seconds = ("auto", "none"), {}, {}, {}
     corpus_text = windows = None
+    kv = {"auto": args.kv_cache_dtype, "none": "fp32"} if args.kv_cache_dtype else {}
     for quantization in paths:
         clock = time.perf_counter()
-        llm = make_llm(model, quantization if args.reference == "float" else "auto", args.threads)
+        weights = quantization if args.reference == "float" and not kv else "auto"
+        llm = make_llm(model, weights, args.threads, kv.get(quantization, "auto"))
         if args.reference == "exact":  # "auto": integer activations at every size; "none": exact
             _use_int_acts(quantization == "auto")
         if windows is None:
@@ -239,7 +252,8 @@ def main() -> None:
         tokens[quantization] = greedy_tokens(llm, prompts, args.max_tokens, args.batch)
         seconds[f"{quantization}_greedy"] = time.perf_counter() - clock
         clock = time.perf_counter()
-        ppl[quantization] = perplexity(llm.engine.core.executor.worker.loaded, windows)
+        worker = llm.engine.core.executor.worker
+        ppl[quantization] = perplexity(worker.loaded, windows, worker.runner.kv_caches[0][0].dtype)
         seconds[f"{quantization}_ppl"] = time.perf_counter() - clock
         print(f"{quantization}: " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()
                                               if k.startswith(quantization)), flush=True)
@@ -256,7 +270,7 @@ def main() -> None:
         "benchmark": "quality", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu": cpu_model(),
         "model": model, "threads": args.threads, "prompt_source": source,
         "max_tokens": args.max_tokens, "batched": args.batch, "int_acts": _int_acts(),
-        "reference": args.reference,
+        "reference": args.reference, "kv_cache_dtype": args.kv_cache_dtype,
         "agreement": {
             "position": sum(p["position"] for p in per_prompt) / len(per_prompt),
             "prefix": sum(p["prefix"] for p in per_prompt) / len(per_prompt),
@@ -293,7 +307,10 @@ def _int_acts() -> str:
 
 
 def print_table(report: dict) -> None:
-    if report.get("reference") == "exact":
+    if report.get("kv_cache_dtype"):
+        print(f"KV cache formats: 'quantized' below = {report['kv_cache_dtype']} KV, 'float' = "
+              "fp32 KV (the same quantized weights on both sides)")
+    elif report.get("reference") == "exact":
         print("reference: exact fp32 kernels; 'quantized' below = integer activations everywhere")
     print(f"{report['cpu']}, {report['threads']} threads, {len(report['per_prompt'])} "
           f"{report['prompt_source']} prompts x {report['max_tokens']} greedy tokens "

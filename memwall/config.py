@@ -127,7 +127,7 @@ class SchedulerConfig:
 
 
 DEVICES = ("auto", "cpu", "cuda")
-KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8", "fp8")  # memwall/attention/kv_quant.py
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,8 @@ class DeviceConfig:
     gpu_memory_utilization: float = 0.9
     """cuda: share of total GPU memory for weights + activations + KV cache."""
     kv_cache_dtype: str = "auto"
-    """auto (= dtype) or fp8 (torch.float8_e4m3fn)."""
+    """auto (cuda: = dtype; cpu: fp16 with float32 compute), fp32, fp16, bf16, int8 (a scale
+    per token and KV head) or fp8 (torch.float8_e4m3fn); memwall/attention/kv_quant.py."""
     enforce_eager: bool = False
     """cuda: never capture or replay CUDA graphs."""
 
@@ -200,8 +201,10 @@ class EngineArgs:
     gpu_memory_utilization: float = _arg(0.9, "share of the GPU's memory this engine may use; the "
                                                "KV cache gets what weights and a profiled forward "
                                                "pass leave of it (cuda only)")
-    kv_cache_dtype: str = _arg("auto", "KV cache elements: auto (the compute dtype) or fp8 (float8 "
-                                       "e4m3, one byte; values clamped to +-448, no scale)")
+    kv_cache_dtype: str = _arg("auto", "KV cache elements: auto (cpu: fp16; cuda: the compute "
+                                       "dtype), fp32, fp16, bf16, int8 (one byte, a float scale "
+                                       "per token and KV head; cpu only), or fp8 (float8 e4m3, "
+                                       "one byte; values clamped to +-448, no scale)")
     enforce_eager: bool = _arg(False, "cuda: run decode steps eagerly instead of replaying "
                                       "captured CUDA graphs")
 

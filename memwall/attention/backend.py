@@ -7,9 +7,11 @@ metadata with it, and binds it into the model's attention modules once (``bind``
             (memwall/kernels/cpu/decode.c), which reads KV blocks in place
     triton  the GPU kernels (memwall/attention/triton_backend.py), imported only when chosen
 
-An fp8 KV cache (``torch.float8_e4m3fn``) is handled here for every backend: new K/V are
-clamped to the format's range (+-448, no scale: the cache holds the values themselves) and
-converted before the write; backends upcast what they read to the query's dtype.
+The KV cache's number format (memwall/attention/kv_quant.py: fp32, fp16, bf16, fp8, int8 with
+a scale per token and head) is the cache tensor's dtype. The torch and cpu backends write and
+read every format (the cpu backend's native kernel reads them in place, dequantizing in
+registers); triton takes the compute dtype and fp8 only (memwall/worker/device.py checks).
+fp8 values are clamped to +-448 (no scale: the cache holds the values themselves).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 import torch
 
-from memwall.attention import paged_torch
+from memwall.attention import kv_quant, paged_torch
 from memwall.attention.metadata import (AttentionMetadata, CpuAttentionMetadata,
                                         TorchAttentionMetadata, TritonAttentionMetadata)
 
@@ -41,9 +43,8 @@ class AttentionBackend(ABC):
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, meta: AttentionMetadata) -> None:
-        """k, v: [num_tokens, kv_heads, head_dim] -> their slots (``meta.slot_mapping``)."""
-        if k_cache.dtype in FP8_KV_DTYPES:
-            k, v = to_fp8(k, k_cache.dtype), to_fp8(v, v_cache.dtype)
+        """k, v: [num_tokens, kv_heads, head_dim] -> their slots (``meta.slot_mapping``), in
+        the cache's format."""
         self._write(k_cache, v_cache, k, v, meta)
 
     @abstractmethod
@@ -60,10 +61,6 @@ class TorchBackend(AttentionBackend):
     metadata_type = TorchAttentionMetadata
 
     def _write(self, k_cache, v_cache, k, v, meta) -> None:
-        if k_cache.dtype in FP8_KV_DTYPES:
-            # index_copy_ has no CPU float8 kernel: move the bytes as uint8, they are the same.
-            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-            k, v = k.view(torch.uint8), v.view(torch.uint8)
         paged_torch.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
 
     def forward(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
@@ -71,13 +68,14 @@ class TorchBackend(AttentionBackend):
 
 
 class CpuBackend(TorchBackend):
-    """The reference with its one-token rows in C (float32 queries and cache only)."""
+    """The reference with its one-token rows in C (float32 queries; any KV format, read where
+    it lies)."""
 
     name = "cpu"
     metadata_type = CpuAttentionMetadata
 
     def forward(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
-        native = q.dtype == torch.float32 and k_cache.dtype == torch.float32
+        native = q.dtype == torch.float32 and k_cache.dtype in kv_quant.NATIVE_CODES
         return paged_torch.paged_attention(q, k_cache, v_cache, meta, scale,
                                            decode=_native_decode if native else None)
 
@@ -88,6 +86,8 @@ class TritonBackend(AttentionBackend):
 
     def _write(self, k_cache, v_cache, k, v, meta) -> None:
         from memwall.attention import triton_backend
+        if k_cache.dtype in FP8_KV_DTYPES:
+            k, v = to_fp8(k, k_cache.dtype), to_fp8(v, v_cache.dtype)
         triton_backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
 
     def forward(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:

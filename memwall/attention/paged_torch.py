@@ -4,6 +4,8 @@ The cache of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_he
 Each step first scatters the new tokens' K/V into their slots, then every sequence attends over
 its own blocks: decodes in one padded batch, prefill chunks one by one with a causal mask that is
 offset by the tokens already in the cache (so chunked prefill and prefix reuse come for free).
+K/V are stored in the cache's format (memwall/attention/kv_quant.py) and dequantized as they
+are gathered: an int8 cache carries its scales [num_blocks, block_size, kv_heads] beside it.
 """
 
 from __future__ import annotations
@@ -11,15 +13,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from memwall.attention import kv_quant
 from memwall.attention.metadata import AttentionMetadata
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k, v: [num_tokens, kv_heads, head_dim] go to the flat slots of the cache."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    kv_quant.write(k_cache, k, slot_mapping)
+    kv_quant.write(v_cache, v, slot_mapping)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -38,7 +40,10 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
     """[..., max_blocks] block ids -> [..., length, kv_heads, head_dim] tokens in order."""
     blocks = cache[block_table]  # [..., max_blocks, block_size, kv_heads, head_dim]
     flat = blocks.flatten(-4, -3)  # [..., max_blocks * block_size, kv_heads, head_dim]
-    return flat[..., :length, :, :]
+    scales = kv_quant.scales_of(cache)
+    if scales is not None:  # [..., max_blocks * block_size, kv_heads]
+        scales = scales[block_table].flatten(-3, -2)[..., :length, :]
+    return kv_quant.dequantize(flat[..., :length, :, :], scales)
 
 
 def _prefill_one(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out, seq: int) -> None:
@@ -75,8 +80,12 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> 
 
 def _decode_keys(cache: torch.Tensor, batch) -> torch.Tensor:
     if batch.contiguous_start is not None:  # one sequence on consecutive blocks: a view, no copy
-        start = batch.contiguous_start
-        return cache[start:start + batch.num_blocks].flatten(0, 1)[: batch.max_len].unsqueeze(0)
+        start, end = batch.contiguous_start, batch.contiguous_start + batch.num_blocks
+        scales = kv_quant.scales_of(cache)
+        if scales is not None:
+            scales = scales[start:end].flatten(0, 1)[: batch.max_len].unsqueeze(0)
+        data = cache[start:end].flatten(0, 1)[: batch.max_len].unsqueeze(0)
+        return kv_quant.dequantize(data, scales)
     return _gather(cache, batch.block_tables, batch.max_len)
 
 

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from memwall.attention import kv_quant
 from memwall.config import DeviceConfig, ModelArchConfig, SchedulerConfig
 
 logger = logging.getLogger("memwall")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_DTYPES = {"fp8": torch.float8_e4m3fn}
+KV_DTYPES = kv_quant.KV_DTYPES
 GiB = 1 << 30
 
 
@@ -32,8 +33,23 @@ def compute_dtype(dev: DeviceConfig) -> torch.dtype:
 
 
 def kv_cache_dtype(dev: DeviceConfig) -> torch.dtype:
-    """The KV cache's element type: the compute dtype, or float8_e4m3fn for ``fp8``."""
-    return KV_DTYPES.get(dev.kv_cache_dtype, compute_dtype(dev))
+    """The KV cache's element type (memwall/attention/kv_quant.py). ``auto``: on cuda the
+    compute dtype; on the CPU with float32 compute kv_quant.CPU_AUTO (why: see there), else
+    the compute dtype. cuda's triton kernels read the compute dtype and fp8 only: any other
+    format is a ValueError that says so."""
+    name = dev.kv_cache_dtype
+    if name == "auto":
+        cpu_default = not dev.is_cuda and dev.dtype == "float32"
+        return KV_DTYPES[kv_quant.CPU_AUTO] if cpu_default else compute_dtype(dev)
+    if name not in KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be auto or one of {', '.join(KV_DTYPES)}, got "
+                         f"{name!r}")
+    dtype = KV_DTYPES[name]
+    if dev.is_cuda and dtype not in (torch.float8_e4m3fn, compute_dtype(dev)):
+        raise ValueError(f"--kv-cache-dtype {name} is not supported on cuda (the triton kernels "
+                         f"read {dev.dtype} or fp8 KV); use --kv-cache-dtype auto or fp8 there, "
+                         f"or --device cpu")
+    return dtype
 
 
 # ---- placement ---------------------------------------------------------------------------------

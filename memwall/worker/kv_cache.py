@@ -7,13 +7,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from memwall.attention import kv_quant
 from memwall.config import CacheConfig, ModelArchConfig
+
+
+def bytes_per_token(arch: ModelArchConfig, dtype: torch.dtype) -> int:
+    """K and V of every layer for one token, in the cache's format (int8's scales included)."""
+    per_head = kv_quant.bytes_per_token_head(dtype, arch.head_dim)
+    return 2 * arch.num_hidden_layers * arch.num_key_value_heads * per_head
 
 
 def bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
     """K and V of every layer for ``block_size`` tokens."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * arch.num_hidden_layers * block_size * arch.num_key_value_heads * arch.head_dim * elem
+    return block_size * bytes_per_token(arch, dtype)
 
 
 def available_memory_bytes() -> int:
@@ -35,6 +41,8 @@ class KVCachePlan:
     bytes_per_block: int
     num_swap_blocks: int = 0
     """Blocks of the secondary (host) pool that swap preemption parks KV in."""
+    kv_dtype: str = ""
+    """The cache's format (memwall/attention/kv_quant.py name), for the start-up line."""
 
     @property
     def max_tokens(self) -> int:
@@ -44,9 +52,15 @@ class KVCachePlan:
     def total_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
 
+    @property
+    def bytes_per_token(self) -> int:
+        return self.bytes_per_block // self.block_size
+
     def describe(self) -> str:
+        fmt = f"{self.kv_dtype}, " if self.kv_dtype else ""
         text = (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
-                f"{self.max_tokens} tokens, {self.total_bytes / 2**20:.1f} MiB")
+                f"{self.max_tokens} tokens, {self.total_bytes / 2**20:.1f} MiB "
+                f"({fmt}{self.bytes_per_token} bytes/token)")
         if self.num_swap_blocks:
             text += f"; swap pool {self.num_swap_blocks} blocks"
         return text
@@ -61,8 +75,9 @@ def plan_kv_cache(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype,
     """
     per_block = bytes_per_block(arch, cache.block_size, dtype)
     num_swap = cache.swap_space // per_block
+    name = kv_quant.name_of(dtype)
     if cache.num_blocks is not None:
-        return KVCachePlan(cache.num_blocks, cache.block_size, per_block, num_swap)
+        return KVCachePlan(cache.num_blocks, cache.block_size, per_block, num_swap, name)
     budget = cache.kv_cache_memory
     if budget is None:
         budget = int(available_memory_bytes() * cache.kv_cache_fraction)
@@ -70,13 +85,14 @@ def plan_kv_cache(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype,
     if num_blocks < 1:
         raise ValueError(f"a KV budget of {budget} bytes holds no block of {per_block} bytes: "
                          "raise --kv-cache-memory")
-    return KVCachePlan(int(num_blocks), cache.block_size, per_block, num_swap)
+    return KVCachePlan(int(num_blocks), cache.block_size, per_block, num_swap, name)
 
 
 def allocate_kv_cache(arch: ModelArchConfig, plan: KVCachePlan, dtype: torch.dtype,
                       device: torch.device | str = "cpu", num_blocks: int | None = None,
                       pin_memory: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (K, V) pair per layer, each [num_blocks, block_size, kv_heads, head_dim], zeroed.
+    """One (K, V) pair per layer, each [num_blocks, block_size, kv_heads, head_dim], zeroed;
+    an int8 cache carries its scales [num_blocks, block_size, kv_heads] (kv_quant.py).
 
     Zeroed rather than empty: padded decode batches read unused slots (masked out), and masked
     garbage that happens to be NaN would still poison the softmax-weighted sum.
@@ -85,8 +101,12 @@ def allocate_kv_cache(arch: ModelArchConfig, plan: KVCachePlan, dtype: torch.dty
     """
     count = plan.num_blocks if num_blocks is None else num_blocks
     shape = (count, plan.block_size, arch.num_key_value_heads, arch.head_dim)
-    make = _pinned_zeros if pin_memory else _zeros
-    return [(make(shape, dtype, device), make(shape, dtype, device))
+    zeros = _pinned_zeros if pin_memory else _zeros
+
+    def make(size: tuple[int, ...], elem: torch.dtype) -> torch.Tensor:
+        return zeros(size, elem, device)
+
+    return [(kv_quant.allocate(shape, dtype, make), kv_quant.allocate(shape, dtype, make))
             for _ in range(arch.num_hidden_layers)]
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from memwall.attention import kv_quant
 from memwall.attention.backend import bind as bind_attention
 from memwall.attention.backend import choose as choose_attention_backend
 from memwall.attention.backend import get_backend
@@ -128,9 +129,9 @@ class ModelRunner:
                 continue
             src = torch.tensor([a for a, _ in pairs])
             dst = torch.tensor([b for _, b in pairs])
-            for (src_k, src_v), (dst_k, dst_v) in zip(source, target):
-                dst_k[dst] = src_k[src].to(dst_k.device)
-                dst_v[dst] = src_v[src].to(dst_v.device)
+            for (src_k, src_v), (dst_k, dst_v) in zip(source, target):  # int8: scales too
+                kv_quant.copy_blocks(src_k, dst_k, src, dst)
+                kv_quant.copy_blocks(src_v, dst_v, src, dst)
 
     def _apply_transfers_async(self, transfers: BlockTransfers) -> None:
         """GPU: one asynchronous copy per block and layer, queued on the compute stream.

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from memwall.attention import kv_quant
 from memwall.config import CacheConfig, EngineArgs, ModelArchConfig, SchedulerConfig
 from memwall.core.step import RunnerOutput, SchedulerOutput
 from memwall.loader.model_loader import LoadedModel, load_model
@@ -97,8 +98,8 @@ class Worker:
         """The device half of the start-up line."""
         dev = self.device_config
         parts = [self.runner.describe()] if self.runner is not None else []
-        if dev.kv_cache_dtype != "auto":
-            parts.append(f"KV cache {dev.kv_cache_dtype}")
+        kv_name = kv_quant.name_of(kv_cache_dtype(dev))  # auto resolved: what the cache holds
+        parts.append(f"KV cache {kv_name}" + (" (auto)" if dev.kv_cache_dtype == "auto" else ""))
         if self.gpu_memory is not None:
             parts.append(self.gpu_memory.describe())
         return "; ".join(p for p in parts if p)

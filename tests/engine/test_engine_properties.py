@@ -72,8 +72,12 @@ class Config:
     examples: int
 
     def engine_args(self) -> dict:
+        # fp32 KV on both sides: this file compares kernels, and fp16 rounding of K/V that
+        # differ in the last float bit can move a logprob by ~2e-3 (tests/attention covers
+        # the KV formats themselves)
         return dict(max_num_batched_tokens=self.budget, block_size=self.block_size,
-                    num_kv_blocks=self.num_kv_blocks, max_num_seqs=self.max_num_seqs)
+                    num_kv_blocks=self.num_kv_blocks, max_num_seqs=self.max_num_seqs,
+                    kv_cache_dtype="fp32")
 
 
 CONFIGS = [
@@ -128,7 +132,7 @@ LONG_PROMPTS = [(16, [17, 48, 33, 65])]  # (budget, prompt lengths): 2, 3, 3 and
 LONG_PROMPT_SCRIPT = """
 from memwall import LLM, SamplingParams
 for budget, lengths in {cases!r}:
-    llm = LLM(max_num_batched_tokens=budget, num_kv_blocks=64)
+    llm = LLM(max_num_batched_tokens=budget, num_kv_blocks=64, kv_cache_dtype="fp32")
     outs = llm.generate([list(range(100, 100 + n)) for n in lengths],
                         SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True))
     print("TOKENS", budget, [o.outputs[0].token_ids for o in outs], flush=True)
@@ -389,7 +393,8 @@ def test_prompts_longer_than_the_step_budget_match_the_reference(engines) -> Non
         reqs = [Req(f"long{budget}-{n}", list(range(100, 100 + n)), 1, 3, 0, None)
                 for n in lengths]
         with native_kernels_off():
-            args = EngineArgs(max_num_batched_tokens=budget, num_kv_blocks=64)
+            args = EngineArgs(max_num_batched_tokens=budget, num_kv_blocks=64,
+                              kv_cache_dtype="fp32")
             reference = run_mix(LLMEngine.from_args(args, engines.reference_model), reqs)
         tokens = [reference[r.request_id].outputs[0].token_ids for r in reqs]
         assert engines.long_prompt_tokens[budget] == tokens

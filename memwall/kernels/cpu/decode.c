@@ -16,8 +16,10 @@
  *   x = x + a @ Wo                   h = rms_norm(x) * w_post
  *   x = x + (silu(h @ Wg) * (h @ Wu)) @ Wd                           final: rms_norm(x) * w_final
  *
- * KV cache layout per layer: [num_blocks, block_size, kv_heads, head_dim] float32 (see
- * paged_attention.c). The structs below are mirrored by ctypes in memwall/kernels/cpu/decode.py.
+ * KV cache layout per layer: [num_blocks, block_size, kv_heads, head_dim] in the model's
+ * kv_type (float32, float16, bfloat16, int8 + scales, float8: paged_attention.c writes and
+ * reads every format; the activations stay float32). The structs below are mirrored by
+ * ctypes in memwall/kernels/cpu/decode.py.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -49,14 +51,17 @@ typedef struct {
     const float* q_norm;    /* [head_dim] or NULL (Qwen3 normalizes each head's q and k) */
     const float* k_norm;
     mw_proj qkv, o, gate_up, down;
-    float* k_cache;
-    float* v_cache;
+    void* k_cache;          /* [n_blocks, block_size, n_kv_heads, head_dim] of kv_type */
+    void* v_cache;
+    float* k_scale;         /* MW_KV_I8: [n_blocks, block_size, n_kv_heads]; else NULL */
+    float* v_scale;
 } mw_layer;
 
 typedef struct {
     int64_t n_layers, hidden, n_heads, n_kv_heads, head_dim, inter, block_size;
     int64_t n_blocks;       /* blocks in each layer's KV cache */
     int64_t max_positions;  /* rows of the rotary tables */
+    int64_t kv_type;        /* MW_KV_* of kernels.h */
     float eps, scale;
     const mw_layer* layers;
     const float* final_norm;
@@ -181,8 +186,10 @@ static void rope_and_write(const mw_model* m, const mw_layer* L, float* qkv, flo
             if (L->k_norm) rms_norm(k + i * D, L->k_norm, k + i * D, D, m->eps);
             rope(k + i * D, cs, sn, D);
         }
-        memcpy(L->k_cache + slots[b] * kv_size, k, sizeof(float) * kv_size);
-        memcpy(L->v_cache + slots[b] * kv_size, v, sizeof(float) * kv_size);
+        /* slots were checked (check_inputs): the writes cannot fail */
+        const int64_t num_slots = m->n_blocks * m->block_size;
+        mw_kv_write(k, 1, slots + b, num_slots, Hkv, D, (int)m->kv_type, L->k_cache, L->k_scale);
+        mw_kv_write(v, 1, slots + b, num_slots, Hkv, D, (int)m->kv_type, L->v_cache, L->v_scale);
     }
 }
 
@@ -257,7 +264,8 @@ int mw_decode_step(const mw_model* m, float* x, int64_t B, const int64_t* positi
         STAGE(0, for (int64_t b = 0; b < B; b++) rms_norm(x + b * Hd, L->in_norm, h + b * Hd, Hd, m->eps));
         STAGE(1, proj_apply(&L->qkv, h, B, big, qkv_size, tmp));  /* [B, q | k | v] */
         STAGE(2, rope_and_write(m, L, big, qbuf, B, positions, slots, rope_cos, rope_sin));
-        STAGE(3, rc = mw_paged_attention_run(qbuf, L->k_cache, L->v_cache, block_tables,
+        STAGE(3, rc = mw_paged_attention_run(qbuf, L->k_cache, L->v_cache, L->k_scale,
+                                             L->v_scale, (int)m->kv_type, block_tables,
                                              table_width, seq_lens, B, H, Hkv, D, m->block_size,
                                              m->scale, attn));
         if (rc != MW_OK) break;

@@ -2,8 +2,8 @@
 cache) to the C step once, then runs decode-only steps with one call each; and
 ``paged_decode_attention``, paged_attention.c's kernel on its own.
 
-A model qualifies when it is float32 on the CPU and every projection is one the kernels can
-read (layout.py ``describe``: a float ``nn.Linear``, or a module whose ``native_parts()`` gives
+A model qualifies when it is float32 on the CPU (its KV cache may be any format of
+memwall/attention/kv_quant.py) and every projection is one the kernels can read (layout.py ``describe``: a float ``nn.Linear``, or a module whose ``native_parts()`` gives
 up to 3 q4/q8/f32 parts). Anything else (bf16, torch's int4/int8 ops, no C compiler) makes
 ``NativeDecoder.build`` return None and the model runs its torch path, which computes the same
 thing.
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from memwall.attention import kv_quant
 from memwall.kernels.cpu import build
 from memwall.kernels.cpu.layout import LayoutError, PackedWeight, describe
 
@@ -36,13 +37,13 @@ class Proj(ctypes.Structure):
 class Layer(ctypes.Structure):
     _fields_ = [("in_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p),
                 ("qkv", Proj), ("o", Proj), ("gate_up", Proj), ("down", Proj),
-                ("k_cache", _p), ("v_cache", _p)]
+                ("k_cache", _p), ("v_cache", _p), ("k_scale", _p), ("v_scale", _p)]
 
 
 class Model(ctypes.Structure):
     _fields_ = [("n_layers", _i64), ("hidden", _i64), ("n_heads", _i64), ("n_kv_heads", _i64),
                 ("head_dim", _i64), ("inter", _i64), ("block_size", _i64), ("n_blocks", _i64),
-                ("max_positions", _i64), ("eps", _f32), ("scale", _f32),
+                ("max_positions", _i64), ("kv_type", _i64), ("eps", _f32), ("scale", _f32),
                 ("layers", ctypes.POINTER(Layer)), ("final_norm", _p)]
 
 
@@ -114,6 +115,9 @@ class NativeDecoder:
         cache_shape = tuple(kv_caches[0][0].shape)  # [num_blocks, block_size, kv_heads, head_dim]
         if cache_shape[2:] != (cfg.num_key_value_heads, cfg.head_dim):
             raise Unsupported(f"a KV cache of shape {cache_shape}")
+        kv_dtype = kv_caches[0][0].dtype
+        if kv_dtype not in kv_quant.NATIVE_CODES:
+            raise Unsupported(f"a KV cache of {kv_dtype}")
         layers = (Layer * len(inner.layers))()
         keep: list = []
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(inner.layers, kv_caches)):
@@ -131,7 +135,10 @@ class NativeDecoder:
                 keep.append(module)  # owns the weights the parts point into
             if tuple(k_cache.shape) != cache_shape or tuple(v_cache.shape) != cache_shape:
                 raise Unsupported("KV caches of different shapes")
-            entry.k_cache, entry.v_cache = _ptr(k_cache), _ptr(v_cache)
+            if k_cache.dtype != kv_dtype or v_cache.dtype != kv_dtype:
+                raise Unsupported("KV caches of different formats")
+            entry.k_cache, entry.k_scale = _cache_ptrs(k_cache)
+            entry.v_cache, entry.v_scale = _cache_ptrs(v_cache)
         rotary = inner.rotary
         rope_cos, rope_sin = rotary.cos.float().contiguous(), rotary.sin.float().contiguous()
         eps = {layer.input_layernorm.eps for layer in inner.layers} | {inner.norm.eps}
@@ -139,7 +146,8 @@ class NativeDecoder:
             raise Unsupported("layers with different norm epsilons")
         model = Model(len(inner.layers), cfg.hidden_size, cfg.num_attention_heads,
                       cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
-                      cache_shape[1], cache_shape[0], rope_cos.shape[0], eps.pop(),
+                      cache_shape[1], cache_shape[0], rope_cos.shape[0],
+                      kv_quant.NATIVE_CODES[kv_dtype], eps.pop(),
                       inner.layers[0].self_attn.scale, layers, _ptr(inner.norm.weight))
         return cls(model, layers, kv_caches, rope_cos, rope_sin, keep)
 
@@ -177,21 +185,50 @@ def _indices(t: torch.Tensor, name: str, rows: int, dims: int = 1) -> torch.Tens
     return t.contiguous()
 
 
+def _cache_ptrs(cache: torch.Tensor) -> tuple[int, int | None]:
+    """(data, scales or None) addresses of a contiguous CPU KV cache in a native format."""
+    if cache.dtype not in kv_quant.NATIVE_CODES or not cache.is_contiguous() or cache.device.type != "cpu":
+        raise Unsupported(f"a KV cache of {cache.dtype} on {cache.device} "
+                          f"(contiguous {cache.is_contiguous()})")
+    scales = kv_quant.scales_of(cache)
+    if kv_quant.has_scales(cache.dtype) and (scales is None or not scales.is_contiguous()):
+        raise Unsupported("an int8 KV cache without its contiguous scales")
+    return cache.data_ptr(), _ptr(scales)
+
+
+def _declared(name: str, argtypes: list) -> ctypes._CFuncPtr:
+    """``name`` of the engine's library with its ctypes signature (kernels.h) set."""
+    fn = getattr(build.require(), name)
+    fn.restype, fn.argtypes = _i32, argtypes
+    return fn
+
+
+_ATTENTION_ARGS = [_p, _p, _p, _p, _p, _i32, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _i64,
+                   _f32, _p]
+_WRITE_ARGS = [_p, _i64, _p, _i64, _i64, _i64, _i32, _p, _p]
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
                            ) -> torch.Tensor:
     """q [B, H, D] float32 -> [B, H, D]: each row attends over its sequence's blocks in place
-    (no gather). k_cache, v_cache float32 [num_blocks, block_size, kv_heads, D] with H a
-    multiple of kv_heads; block_tables int64 [B, width], seq_lens int64 [B] in
-    1..width * block_size. Anything else raises ValueError before C runs; B = 0 returns [0, H, D]."""
+    (no gather). k_cache, v_cache [num_blocks, block_size, kv_heads, D] of one format of
+    kv_quant.NATIVE_CODES (int8 with its scales attached), H a multiple of kv_heads;
+    block_tables int64 [B, width], seq_lens int64 [B] in 1..width * block_size. Anything else
+    raises ValueError before C runs; B = 0 returns [0, H, D]."""
     if q.dim() != 3 or q.dtype != torch.float32:
         raise ValueError(f"q must be float32 [B, heads, head_dim], got {q.dtype} {list(q.shape)}")
     b, h, d = q.shape
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if (cache.dim() != 4 or cache.shape[3] != d or cache.shape != k_cache.shape
-                or cache.dtype != torch.float32 or not cache.is_contiguous()):
-            raise ValueError(f"{name} must be contiguous float32 [blocks, block_size, kv_heads, "
-                             f"{d}] like k_cache, got {cache.dtype} {list(cache.shape)}")
+                or cache.dtype != k_cache.dtype or not cache.is_contiguous()):
+            raise ValueError(f"{name} must be contiguous [blocks, block_size, kv_heads, {d}] of "
+                             f"k_cache's dtype, got {cache.dtype} {list(cache.shape)}")
+    try:
+        (k_ptr, ks_ptr), (v_ptr, vs_ptr) = _cache_ptrs(k_cache), _cache_ptrs(v_cache)
+    except Unsupported as e:
+        raise ValueError(f"paged_decode_attention cannot read {e}; formats: "
+                         f"{', '.join(map(str, kv_quant.NATIVE_CODES))}") from e
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     if kv_heads < 1 or h % kv_heads:
         raise ValueError(f"{h} query heads cannot share {kv_heads} KV heads evenly")
@@ -200,8 +237,27 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     q = q.contiguous()
     tables, lens = _indices(block_tables, "block_tables", b, 2), _indices(seq_lens, "seq_lens", b)
-    rc = build.require().mw_paged_decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
-        lens.data_ptr(), b, h, kv_heads, d, block_size, num_blocks, scale, out.data_ptr())
+    rc = _declared("mw_paged_decode_attention_kv", _ATTENTION_ARGS)(
+        q.data_ptr(), k_ptr, v_ptr, ks_ptr, vs_ptr, kv_quant.NATIVE_CODES[k_cache.dtype],
+        tables.data_ptr(), tables.shape[1], lens.data_ptr(), b, h, kv_heads, d, block_size,
+        num_blocks, scale, out.data_ptr())
     build.raise_for(rc, "paged_decode_attention")
     return out
+
+
+def kv_write(cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
+    """x [n, kv_heads, D] float32 -> the cache's slots in its format, through the C writer the
+    fused decode step uses (kv_quant.write is its torch twin; tests hold them byte-equal)."""
+    n, kv_heads, d = x.shape
+    if cache.dim() != 4 or tuple(cache.shape[2:]) != (kv_heads, d):
+        raise ValueError(f"x {list(x.shape)} does not fit a cache of {list(cache.shape)}")
+    try:
+        ptr, scales = _cache_ptrs(cache)
+    except Unsupported as e:
+        raise ValueError(f"kv_write cannot write {e}") from e
+    x = x.float().contiguous()
+    slots = _indices(slots, "slots", n)
+    rc = _declared("mw_kv_write", _WRITE_ARGS)(
+        x.data_ptr(), n, slots.data_ptr(), cache.shape[0] * cache.shape[1], kv_heads, d,
+        kv_quant.NATIVE_CODES[cache.dtype], ptr, scales)
+    build.raise_for(rc, "kv_write")

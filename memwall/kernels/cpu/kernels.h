@@ -65,10 +65,14 @@ int mw_q8_gemv_i8(const float* x, int64_t K, int64_t G, const int8_t* codes, con
                   const float* c, float* y, int64_t N);
 int mw_int8_dot_available(void);
 
-/* paged_attention.c */
+/* paged_attention.c: KV caches [num_blocks, block_size, kv_heads, head_dim] in one of these
+ * element types (memwall/attention/kv_quant.py); MW_KV_I8 has a float scale per token and KV
+ * head, scales [num_blocks, block_size, kv_heads], value = scale * code. */
+enum { MW_KV_F32 = 0, MW_KV_F16 = 1, MW_KV_BF16 = 2, MW_KV_I8 = 3, MW_KV_FP8 = 4 };
 int mw_check_tables(const int64_t* block_tables, int64_t table_width, const int64_t* seq_lens,
                     int64_t B, int64_t block_size, int64_t num_blocks);
-int mw_paged_attention_run(const float* q, const float* k_cache, const float* v_cache,
+int mw_paged_attention_run(const float* q, const void* k_cache, const void* v_cache,
+                           const float* k_scales, const float* v_scales, int kv_type,
                            const int64_t* block_tables, int64_t table_width,
                            const int64_t* seq_lens, int64_t B, int64_t H, int64_t Hkv,
                            int64_t D, int64_t block_size, float scale, float* out);
@@ -77,6 +81,16 @@ int mw_paged_decode_attention(const float* q, const float* k_cache, const float*
                               const int64_t* seq_lens, int64_t B, int64_t H, int64_t Hkv,
                               int64_t D, int64_t block_size, int64_t num_blocks, float scale,
                               float* out);
+int mw_paged_decode_attention_kv(const float* q, const void* k_cache, const void* v_cache,
+                                 const float* k_scales, const float* v_scales, int kv_type,
+                                 const int64_t* block_tables, int64_t table_width,
+                                 const int64_t* seq_lens, int64_t B, int64_t H, int64_t Hkv,
+                                 int64_t D, int64_t block_size, int64_t num_blocks, float scale,
+                                 float* out);
+/* x [n, Hkv, D] float -> cache rows slots[0..n-1] in kv_type (int8: scales too); MW_BAD_SLOT
+ * for a slot outside 0..num_slots - 1 (nothing written) */
+int mw_kv_write(const float* x, int64_t n, const int64_t* slots, int64_t num_slots, int64_t Hkv,
+                int64_t D, int kv_type, void* cache, float* scales);
 
 /* ------------------------------------------------------------------ shared vector helpers */
 

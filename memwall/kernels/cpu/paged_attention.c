@@ -1,8 +1,14 @@
 /* memwall's paged decode attention (see kernels.h for the other files): one query token per
  * sequence attends over its KV blocks where they lie in the pool, nothing gathered or copied.
  *
- * KV cache layout per layer: [num_blocks, block_size, kv_heads, head_dim] float32; token t of a
- * sequence sits in block block_table[t / block_size] at offset t % block_size.
+ * KV cache layout per layer: [num_blocks, block_size, kv_heads, head_dim] in one element type
+ * (kernels.h MW_KV_*: float32, float16, bfloat16, int8 with a float scale per token and KV
+ * head, float8 e4m3); token t of a sequence sits in block block_table[t / block_size] at
+ * offset t % block_size. Quantized rows are widened to float in registers as q.k and p.v read
+ * them (an int8 key's scale multiplies its dot product, a value's scale its weight p): long
+ * decodes are bound by the bytes they read, so a 1-byte cache reads a quarter of fp32's.
+ * mw_kv_write is the one writer of the formats (the fused decode step's new tokens); the
+ * torch side (memwall/attention/kv_quant.py) rounds the same way, byte for byte.
  */
 #include <math.h>
 #include <omp.h>
@@ -11,6 +17,7 @@
 
 #include "kernels.h"
 
+#define MW_INLINE static inline __attribute__((always_inline))
 /* v[i] = exp(v[i] - shift) for n floats; returns their sum (exp512 with AVX-512, else expf) */
 static float exp_shift_sum(float* v, int64_t n, float shift) {
     int64_t i = 0;
@@ -45,143 +52,311 @@ static float exp_shift_sum(float* v, int64_t n, float shift) {
     return sum;
 }
 
-#if defined(__AVX512F__)
-/* r[i] = sum of the 16 lanes of v[i]: a transpose-and-add tree, ~3 ops a vector where a
- * horizontal reduction of each costs ~8 */
-static inline __m512 hsum16(const __m512* v) {
-    __m512 t[8], u[4], w[2];
-    for (int i = 0; i < 8; i++)  /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++)  /* per 128-bit lane: [a, b, c, d] partial sums */
-        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
-                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
-    for (int i = 0; i < 2; i++)  /* across 128-bit lanes */
-        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+/* ------------------------------------------------------------------ element formats */
+
+static int64_t kv_elem_size(int kt) {
+    return kt == MW_KV_F32 ? 4 : (kt == MW_KV_F16 || kt == MW_KV_BF16) ? 2 : 1;
+}
+
+static inline float bits_to_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t float_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, em = h & 0x7FFF;
+    if (em >= 0x7C00) return bits_to_float(sign | 0x7F800000 | ((em & 0x3FF) << 13));
+    if (em >= 0x400) return bits_to_float(sign | ((em << 13) + (112u << 23)));
+    return bits_to_float(sign | float_to_bits((float)em * 5.9604644775390625e-8f));  /* 2^-24 */
+}
+
+/* round to nearest even, saturating at +-65504 (as kv_quant.py clamps before converting) */
+static inline uint16_t float_to_half(float f) {
+    const uint16_t sign = (uint16_t)((float_to_bits(f) >> 16) & 0x8000);
+    float a = fabsf(f);
+    if (a != a) return sign | 0x7E00;
+    if (a > 65504.f) a = 65504.f;
+    if (a < 6.103515625e-05f) return sign | (uint16_t)nearbyintf(a * 16777216.f);  /* subnormal */
+    uint32_t u = float_to_bits(a);
+    u += 0xFFF + ((u >> 13) & 1);
+    return sign | (uint16_t)((((u >> 23) - 112) << 10) | ((u >> 13) & 0x3FF));
+}
+
+static inline float bf16_to_float(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
+
+static inline uint16_t float_to_bf16(float f) {
+    const uint32_t u = float_to_bits(f);
+    if (f != f) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+static float fp8_table[256];  /* e4m3fn byte -> float, filled when the library loads */
+__attribute__((constructor)) static void fill_fp8_table(void) {
+    for (int b = 0; b < 256; b++) {
+        const int e = (b >> 3) & 15, m = b & 7;
+        float v = e ? ldexpf(1.f + (float)m / 8.f, e - 7) : ldexpf((float)m, -9);
+        if ((b & 0x7F) == 0x7F) v = NAN;
+        fp8_table[b] = (b & 0x80) ? -v : v;
+    }
+}
+
+/* round to nearest even, saturating at +-448 (e4m3fn has no infinity) */
+static inline uint8_t float_to_fp8(float f) {
+    const uint8_t sign = (uint8_t)((float_to_bits(f) >> 24) & 0x80);
+    float a = fabsf(f);
+    if (a != a) return sign | 0x7F;
+    if (a >= 448.f) return sign | 0x7E;
+    if (a < 0.015625f) return sign | (uint8_t)nearbyintf(a * 512.f);  /* subnormal: m * 2^-9 */
+    uint32_t u = float_to_bits(a);
+    u += 0x7FFFF + ((u >> 20) & 1);
+    return sign | (uint8_t)((((u >> 23) - 120) << 3) | ((u >> 20) & 7));
+}
+
+/* element i of a cache row as float (int8: the code; its scale is applied by the caller) */
+MW_INLINE float kv_get(const void* row, int64_t i, int kt) {
+    switch (kt) {
+    case MW_KV_F16: return half_to_float(((const uint16_t*)row)[i]);
+    case MW_KV_BF16: return bf16_to_float(((const uint16_t*)row)[i]);
+    case MW_KV_I8: return (float)((const int8_t*)row)[i];
+    case MW_KV_FP8: return fp8_table[((const uint8_t*)row)[i]];
+    default: return ((const float*)row)[i];
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* 8 elements i..i+7 of a cache row as floats, widened in registers */
+MW_INLINE __m256 kv_load8(const void* row, int64_t i, int kt) {
+    switch (kt) {
+    case MW_KV_F16: {
+        const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)row + i));
+#if defined(__F16C__)
+        return _mm256_cvtph_ps(h);
+#else   /* exponent rebias in the integer unit; subnormals (< 2^-14) through a multiply */
+        const __m256i w = _mm256_cvtepu16_epi32(h);
+        const __m256i em = _mm256_and_si256(w, _mm256_set1_epi32(0x7FFF));
+        const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_xor_si256(w, em), 16));
+        const __m256 normal = _mm256_castsi256_ps(
+            _mm256_add_epi32(_mm256_slli_epi32(em, 13), _mm256_set1_epi32(112 << 23)));
+        const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(5.9604644775390625e-8f));
+        const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(0x400), em));
+        return _mm256_or_ps(_mm256_blendv_ps(normal, sub, is_sub), sign);
+#endif
+    }
+    case MW_KV_BF16:
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)row + i))), 16));
+    case MW_KV_I8:
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64((const __m128i*)((const int8_t*)row + i))));
+    case MW_KV_FP8: {  /* as f16 above: e4m3's exponent rebiased by 120, subnormals m * 2^-9 */
+        const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)((const uint8_t*)row + i)));
+        const __m256i em = _mm256_and_si256(w, _mm256_set1_epi32(0x7F));
+        const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_xor_si256(w, em), 24));
+        const __m256 normal = _mm256_castsi256_ps(
+            _mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23)));
+        const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(1.f / 512.f));
+        const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), em));
+        return _mm256_or_ps(_mm256_blendv_ps(normal, sub, is_sub), sign);
+    }
+    default: return _mm256_loadu_ps((const float*)row + i);
+    }
+}
+
+/* dots[jj][i] = the 8-lane partial sums of q_jj . row for JN query heads (q rows D apart):
+ * each element of the row is widened once for all JN heads */
+MW_INLINE void qk_key(const float* q, int64_t D, const void* row, int kt, const int JN,
+                      __m256 dots[4][8], int i) {
+    __m256 a[4];
+    for (int jj = 0; jj < JN; jj++) a[jj] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < D; c += 8) {
+        const __m256 k = kv_load8(row, c, kt);
+        for (int jj = 0; jj < JN; jj++) a[jj] = _mm256_fmadd_ps(_mm256_loadu_ps(q + jj * D + c), k, a[jj]);
+    }
+    for (int jj = 0; jj < JN; jj++) dots[jj][i] = a[jj];
+}
+
+/* o[jj][d0 .. d0 + 8 CN) += sum over u of p[jj][u] v_u[...] for JN heads: 4 x 2 accumulators
+ * stay in registers, each value vector is widened once for all JN heads */
+MW_INLINE void pv_pass(const float* p, int64_t n, float* o, int64_t D, const char* base,
+                       int64_t row_bytes, const int64_t* rows, int64_t u0, int64_t u1,
+                       int64_t d0, int kt, const int JN, const int CN) {
+    __m256 acc[4][2];
+    for (int jj = 0; jj < JN; jj++)
+        for (int cc = 0; cc < CN; cc++) acc[jj][cc] = _mm256_loadu_ps(o + jj * D + d0 + 8 * cc);
+    for (int64_t u = u0; u < u1; u++) {
+        const void* row = base + rows[u] * row_bytes;
+        __m256 v[2];
+        for (int cc = 0; cc < CN; cc++) v[cc] = kv_load8(row, d0 + 8 * cc, kt);
+        for (int jj = 0; jj < JN; jj++) {
+            const __m256 pj = _mm256_set1_ps(p[jj * n + u]);
+            for (int cc = 0; cc < CN; cc++) acc[jj][cc] = _mm256_fmadd_ps(pj, v[cc], acc[jj][cc]);
+        }
+    }
+    for (int jj = 0; jj < JN; jj++)
+        for (int cc = 0; cc < CN; cc++) _mm256_storeu_ps(o + jj * D + d0 + 8 * cc, acc[jj][cc]);
 }
 #endif
 
+/* a cache row widened to D floats (the plain-C paths and head dims off the 8-wide vectors) */
+MW_INLINE void kv_row(const void* row, int64_t D, int kt, float* out) {
+    for (int64_t i = 0; i < D; i++) out[i] = kv_get(row, i, kt);
+}
+
 /* Attention of the `group` query heads that share KV head h over tokens t0..t1 of one
  * sequence: o [group, D] = sum_t exp(s_t - m) v_t, unnormalized, with m [group] the max score
- * and l [group] the sum of the weights (so ranges can be merged). scores: [group, t1 - t0]. */
-static void attend_range(const float* qh, int64_t group, int64_t D, const float* k_cache,
-                         const float* v_cache, const int64_t* table, int64_t block_size,
-                         int64_t Hkv, int64_t h, int64_t t0, int64_t t1, float scale,
-                         float* scores, float* o, float* m, float* l) {
-    const int64_t n = t1 - t0;
-    /* where each token's K/V row starts, walked block by block: an integer division per
-       token (t / block_size with a run-time block size) cost more than its dot product */
-    int64_t* rows = (int64_t*)(scores + ((group * n + 1) & ~(int64_t)1));  /* caller scratch: n more int64 */
+ * and l [group] the sum of the weights (so ranges can be merged). Scratch: scores
+ * [group, t1 - t0], rows [t1 - t0], rowbuf [D]. Inlined once per element type kt. */
+MW_INLINE void attend_range(const float* qh, int64_t group, int64_t D, const void* k_cache,
+                            const void* v_cache, const float* k_scales, const float* v_scales,
+                            int kt, const int64_t* table, int64_t block_size, int64_t Hkv,
+                            int64_t h, int64_t t0, int64_t t1, float scale, float* scores,
+                            int64_t* rows, float* rowbuf, float* o, float* m, float* l) {
+    const int64_t n = t1 - t0, row_bytes = D * kv_elem_size(kt);
+    const int scaled = kt == MW_KV_I8;
+    /* each token's (slot, head) row, walked block by block: an integer division per token
+       (t / block_size with a run-time block size) cost more than its dot product */
     {
         int64_t blk = t0 / block_size, off = t0 % block_size;
         for (int64_t i = 0; i < n; i++) {
-            rows[i] = ((table[blk] * block_size + off) * Hkv + h) * D;
+            rows[i] = (table[blk] * block_size + off) * Hkv + h;
             if (++off == block_size) { off = 0; blk++; }
         }
     }
-#define KV_AT(cache, t) ((cache) + rows[(t) - t0])
-    int64_t t = t0;
-#if defined(__AVX512F__)
-    if (D % 16 == 0) {  /* 16 keys at a time: 16 partial-sum vectors, one reduction tree */
-        const int64_t nd = D / 16;
-        for (int64_t i = t; i < t + 16 && i < t1; i++)
-            for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char*)(KV_AT(k_cache, i) + d), _MM_HINT_T0);
-        for (; t + 16 <= t1; t += 16) {
-            const float* kp[16];
-            for (int i = 0; i < 16; i++) kp[i] = KV_AT(k_cache, t + i);
-            /* the next 16 keys, a cache line at a time: blocks are scattered across the
-               pool, so the hardware prefetcher rarely sees them coming */
-            for (int64_t i = t + 16; i < t + 32 && i < t1; i++)
-                for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char*)(KV_AT(k_cache, i) + d), _MM_HINT_T0);
-            for (int64_t j = 0; j < group; j++) {
-                const float* qj = qh + j * D;
-                __m512 acc[16];
-                for (int i = 0; i < 16; i++) {
-                    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qj), _mm512_loadu_ps(kp[i]));
-                    for (int64_t c = 1; c < nd; c++)
-                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * c), _mm512_loadu_ps(kp[i] + 16 * c), a);
-                    acc[i] = a;
-                }
-                _mm512_storeu_ps(scores + j * n + (t - t0), _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
+    const char* kb = (const char*)k_cache;
+    const char* vb = (const char*)v_cache;
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (D % 8 == 0) {  /* 8 keys at a time: 8 partial-sum vectors a head, one reduction tree */
+        for (; i + 8 <= n; i += 8) {
+            __m256 sc = _mm256_set1_ps(scale);
+            if (scaled) {
+                const int64_t* r = rows + i;
+                sc = _mm256_mul_ps(sc, _mm256_setr_ps(k_scales[r[0]], k_scales[r[1]], k_scales[r[2]],
+                                                      k_scales[r[3]], k_scales[r[4]], k_scales[r[5]],
+                                                      k_scales[r[6]], k_scales[r[7]]));
             }
-        }
-    }
-#elif defined(__AVX2__) && defined(__FMA__)
-    if (D % 8 == 0) {  /* 8 keys at a time: 8 partial-sum vectors, one reduction tree */
-        for (; t + 8 <= t1; t += 8) {
-            const float* kp[8];
-            for (int i = 0; i < 8; i++) kp[i] = KV_AT(k_cache, t + i);
-            for (int64_t j = 0; j < group; j++) {
-                const float* qj = qh + j * D;
-                __m256 acc[8];
-                for (int i = 0; i < 8; i++) {
-                    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qj), _mm256_loadu_ps(kp[i]));
-                    for (int64_t c = 8; c < D; c += 8)
-                        a = _mm256_fmadd_ps(_mm256_loadu_ps(qj + c), _mm256_loadu_ps(kp[i] + c), a);
-                    acc[i] = a;
+            for (int64_t j0 = 0; j0 < group; j0 += 4) {
+                const int64_t jn = group - j0 < 4 ? group - j0 : 4;
+                const float* qj = qh + j0 * D;
+                __m256 dots[4][8];
+                for (int k = 0; k < 8; k++) {
+                    const void* row = kb + rows[i + k] * row_bytes;
+                    switch (jn) {
+                    case 1: qk_key(qj, D, row, kt, 1, dots, k); break;
+                    case 2: qk_key(qj, D, row, kt, 2, dots, k); break;
+                    case 3: qk_key(qj, D, row, kt, 3, dots, k); break;
+                    default: qk_key(qj, D, row, kt, 4, dots, k); break;
+                    }
                 }
-                _mm256_storeu_ps(scores + j * n + (t - t0), _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
+                for (int64_t jj = 0; jj < jn; jj++)
+                    _mm256_storeu_ps(scores + (j0 + jj) * n + i, _mm256_mul_ps(hsum8x8(dots[jj]), sc));
             }
         }
     }
 #endif
-    for (; t < t1; t++) {
-        const float* kp = KV_AT(k_cache, t);
-        for (int64_t j = 0; j < group; j++) scores[j * n + (t - t0)] = dot_f32(qh + j * D, kp, D) * scale;
+    for (; i < n; i++) {
+        kv_row(kb + rows[i] * row_bytes, D, kt, rowbuf);
+        const float sc = scaled ? scale * k_scales[rows[i]] : scale;
+        for (int64_t j = 0; j < group; j++) scores[j * n + i] = dot_f32(qh + j * D, rowbuf, D) * sc;
     }
     for (int64_t j = 0; j < group; j++) {
         float* sj = scores + j * n;
         float mx = -INFINITY;
-        for (int64_t i = 0; i < n; i++) mx = sj[i] > mx ? sj[i] : mx;
+        for (int64_t u = 0; u < n; u++) mx = sj[u] > mx ? sj[u] : mx;
         m[j] = mx;
         l[j] = exp_shift_sum(sj, n, mx);
+        if (scaled)  /* l is the sum of the weights; the value rows' scales go into p */
+            for (int64_t u = 0; u < n; u++) sj[u] *= v_scales[rows[u]];
     }
     memset(o, 0, sizeof(float) * group * D);
-    t = t0;
-#if defined(__AVX512F__)
-    if (D % 16 == 0 && group * (D / 16) <= 32) {  /* the group's outputs stay in registers */
-        const int64_t nd = D / 16;
-        __m512 acc[32];
-        for (int64_t i = 0; i < group * nd; i++) acc[i] = _mm512_setzero_ps();
-        for (int64_t i = t; i < t + 8 && i < t1; i++)
-            for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char*)(KV_AT(v_cache, i) + d), _MM_HINT_T0);
-        for (; t < t1; t++) {
-            const float* vp = KV_AT(v_cache, t);
-            if (t + 8 < t1)
-                for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char*)(KV_AT(v_cache, t + 8) + d), _MM_HINT_T0);
-            for (int64_t c = 0; c < nd; c++) {
-                const __m512 vc = _mm512_loadu_ps(vp + 16 * c);
-                for (int64_t j = 0; j < group; j++)
-                    acc[j * nd + c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[j * n + (t - t0)]), vc, acc[j * nd + c]);
-            }
-        }
-        for (int64_t i = 0; i < group * nd; i++) _mm512_storeu_ps(o + 16 * i, acc[i]);
-    }
-#elif defined(__AVX2__) && defined(__FMA__)
-    if (D % 8 == 0 && D / 8 <= 12) {  /* one head's output in registers, head by head */
+#if defined(__AVX2__) && defined(__FMA__)
+    if (D % 8 == 0) {
+        /* 32 tokens' rows stay in L1 while passes of (4 heads x 16 dims) sweep them */
         const int64_t nd = D / 8;
-        for (int64_t j = 0; j < group; j++) {
-            __m256 acc[12];
-            for (int64_t c = 0; c < nd; c++) acc[c] = _mm256_setzero_ps();
-            const float* sj = scores + j * n - t0;
-            for (int64_t u = t0; u < t1; u++) {
-                const float* vp = KV_AT(v_cache, u);
-                const __m256 p = _mm256_set1_ps(sj[u]);
-                for (int64_t c = 0; c < nd; c++)
-                    acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 8 * c), acc[c]);
+        for (int64_t u0 = 0; u0 < n; u0 += 32) {
+            const int64_t u1 = u0 + 32 < n ? u0 + 32 : n;
+            for (int64_t j0 = 0; j0 < group; j0 += 4) {
+                const int64_t jn = group - j0 < 4 ? group - j0 : 4;
+                for (int64_t c0 = 0; c0 < nd; c0 += 2) {
+                    const float* p = scores + j0 * n;
+                    float* oj = o + j0 * D;
+                    const int64_t d0 = 8 * c0;
+#define PV(JN, CN) pv_pass(p, n, oj, D, vb, row_bytes, rows, u0, u1, d0, kt, JN, CN)
+                    if (nd - c0 >= 2) {
+                        switch (jn) { case 1: PV(1, 2); break; case 2: PV(2, 2); break;
+                                      case 3: PV(3, 2); break; default: PV(4, 2); }
+                    } else {
+                        switch (jn) { case 1: PV(1, 1); break; case 2: PV(2, 1); break;
+                                      case 3: PV(3, 1); break; default: PV(4, 1); }
+                    }
+#undef PV
+                }
             }
-            for (int64_t c = 0; c < nd; c++) _mm256_storeu_ps(o + j * D + 8 * c, acc[c]);
         }
-        t = t1;
+        return;
     }
 #endif
-    for (; t < t1; t++) {
-        const float* vp = KV_AT(v_cache, t);
-        for (int64_t j = 0; j < group; j++) axpy_f32(scores[j * n + (t - t0)], vp, o + j * D, D);
+    for (int64_t u = 0; u < n; u++) {
+        kv_row(vb + rows[u] * row_bytes, D, kt, rowbuf);
+        for (int64_t j = 0; j < group; j++) axpy_f32(scores[j * n + u], rowbuf, o + j * D, D);
     }
-#undef KV_AT
+}
+
+/* attend_range with its element type a constant: one specialized copy per format */
+static void attend(const float* qh, int64_t group, int64_t D, const void* k_cache,
+                   const void* v_cache, const float* k_scales, const float* v_scales, int kt,
+                   const int64_t* table, int64_t block_size, int64_t Hkv, int64_t h, int64_t t0,
+                   int64_t t1, float scale, float* scores, int64_t* rows, float* rowbuf,
+                   float* o, float* m, float* l) {
+#define ATTEND(KT) attend_range(qh, group, D, k_cache, v_cache, k_scales, v_scales, KT, table, \
+                                block_size, Hkv, h, t0, t1, scale, scores, rows, rowbuf, o, m, l)
+    switch (kt) {
+    case MW_KV_F16: ATTEND(MW_KV_F16); break;
+    case MW_KV_BF16: ATTEND(MW_KV_BF16); break;
+    case MW_KV_I8: ATTEND(MW_KV_I8); break;
+    case MW_KV_FP8: ATTEND(MW_KV_FP8); break;
+    default: ATTEND(MW_KV_F32); break;
+    }
+#undef ATTEND
+}
+
+/* one row of D floats -> its cache format at dst (int8: its scale at *scale) */
+static void write_row(const float* x, int64_t D, int kt, void* dst, float* scale) {
+    switch (kt) {
+    case MW_KV_F16:
+        for (int64_t i = 0; i < D; i++) ((uint16_t*)dst)[i] = float_to_half(x[i]);
+        break;
+    case MW_KV_BF16:
+        for (int64_t i = 0; i < D; i++) ((uint16_t*)dst)[i] = float_to_bf16(x[i]);
+        break;
+    case MW_KV_FP8:
+        for (int64_t i = 0; i < D; i++) ((uint8_t*)dst)[i] = float_to_fp8(x[i]);
+        break;
+    case MW_KV_I8: {  /* symmetric, as kv_quant.quantize: code = round(x / (max|x| / 127)) */
+        float amax = 0.f;
+        for (int64_t i = 0; i < D; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+        const float s = amax / 127.f, safe = s > 0.f ? s : 1.f;
+        for (int64_t i = 0; i < D; i++) {
+            float c = nearbyintf(x[i] / safe);
+            ((int8_t*)dst)[i] = (int8_t)(c > 127.f ? 127.f : c < -127.f ? -127.f : c);
+        }
+        *scale = s;
+        break;
+    }
+    default: memcpy(dst, x, sizeof(float) * D);
+    }
+}
+
+int mw_kv_write(const float* x, int64_t n, const int64_t* slots, int64_t num_slots, int64_t Hkv,
+                int64_t D, int kt, void* cache, float* scales) {
+    for (int64_t b = 0; b < n; b++)
+        if (slots[b] < 0 || slots[b] >= num_slots) return MW_BAD_SLOT;
+    const int64_t row_bytes = D * kv_elem_size(kt);
+    for (int64_t b = 0; b < n; b++)
+        for (int64_t h = 0; h < Hkv; h++) {
+            const int64_t r = slots[b] * Hkv + h;
+            write_row(x + (b * Hkv + h) * D, D, kt, (char*)cache + r * row_bytes,
+                      scales ? scales + r : NULL);
+        }
+    return MW_OK;
 }
 
 /* MW_OK when every sequence's length is 1..table_width * block_size and every block it reads
@@ -208,7 +383,8 @@ int mw_check_tables(const int64_t* block_tables, int64_t table_width, const int6
  * items) long contexts are split into ranges, each thread takes some, and the ranges' partial
  * softmax sums are merged (flash-decoding's split-K). Unchecked: mw_check_tables first (the
  * decode step checks once for all its layers). Returns MW_OK or MW_OUT_OF_MEMORY. */
-int mw_paged_attention_run(const float* q, const float* k_cache, const float* v_cache,
+int mw_paged_attention_run(const float* q, const void* k_cache, const void* v_cache,
+                           const float* k_scales, const float* v_scales, int kv_type,
                            const int64_t* block_tables, int64_t table_width,
                            const int64_t* seq_lens, int64_t B, int64_t H, int64_t Hkv,
                            int64_t D, int64_t block_size, float scale, float* out) {
@@ -227,11 +403,12 @@ int mw_paged_attention_run(const float* q, const float* k_cache, const float* v_
     int failed = 0;  /* set when a thread could not get its scratch (then out is not valid) */
     #pragma omp parallel
     {
-        /* scores [group, len] and the row offsets attend_range keeps after them */
+        /* attend_range's scratch: scores [group, len], rows [len], rowbuf [D] */
         const int64_t cap = max_len > 0 ? max_len : 1;
-        float* scores = (float*)malloc(sizeof(float) * group * cap + sizeof(int64_t) * (cap + 1));
+        float* scores = (float*)malloc(sizeof(float) * (group * cap + D));
+        int64_t* rows = (int64_t*)malloc(sizeof(int64_t) * cap);
         float* ml = (float*)malloc(sizeof(float) * 2 * group);
-        const int ready = scores && ml;
+        const int ready = scores && rows && ml;
         if (!ready) {
             #pragma omp atomic write
             failed = 1;
@@ -246,8 +423,9 @@ int mw_paged_attention_run(const float* q, const float* k_cache, const float* v_
             const float* qh = q + (b * H + h * group) * D;
             if (splits == 1) {
                 float* oh = out + (b * H + h * group) * D;
-                attend_range(qh, group, D, k_cache, v_cache, table, block_size, Hkv, h, 0, len,
-                             scale, scores, oh, ml, ml + group);
+                attend(qh, group, D, k_cache, v_cache, k_scales, v_scales, kv_type, table,
+                       block_size, Hkv, h, 0, len, scale, scores, rows, scores + group * cap, oh,
+                       ml, ml + group);
                 for (int64_t j = 0; j < group; j++) {
                     const float inv = 1.f / ml[group + j];
                     for (int64_t d = 0; d < D; d++) oh[j * D + d] *= inv;
@@ -259,11 +437,13 @@ int mw_paged_attention_run(const float* q, const float* k_cache, const float* v_
                     for (int64_t j = 0; j < group; j++) { m[j] = -INFINITY; m[group + j] = 0.f; }
                     continue;
                 }
-                attend_range(qh, group, D, k_cache, v_cache, table, block_size, Hkv, h, t0, t1,
-                             scale, scores, o, m, m + group);
+                attend(qh, group, D, k_cache, v_cache, k_scales, v_scales, kv_type, table,
+                       block_size, Hkv, h, t0, t1, scale, scores, rows, scores + group * cap, o,
+                       m, m + group);
             }
         }
         free(scores);
+        free(rows);
         free(ml);
         int any_failed;  /* the same for every thread: set before the loop's closing barrier */
         #pragma omp atomic read
@@ -298,13 +478,26 @@ int mw_paged_attention_run(const float* q, const float* k_cache, const float* v_
     return failed ? MW_OUT_OF_MEMORY : MW_OK;
 }
 
-/* The checked entry point: mw_check_tables, then the attention. */
+/* The checked entry points: mw_check_tables, then the attention (a float32 cache, or any
+ * MW_KV_* format with int8's scales). */
+int mw_paged_decode_attention_kv(const float* q, const void* k_cache, const void* v_cache,
+                                 const float* k_scales, const float* v_scales, int kv_type,
+                                 const int64_t* block_tables, int64_t table_width,
+                                 const int64_t* seq_lens, int64_t B, int64_t H, int64_t Hkv,
+                                 int64_t D, int64_t block_size, int64_t num_blocks, float scale,
+                                 float* out) {
+    const int rc = mw_check_tables(block_tables, table_width, seq_lens, B, block_size, num_blocks);
+    return rc != MW_OK ? rc : mw_paged_attention_run(q, k_cache, v_cache, k_scales, v_scales,
+                                                     kv_type, block_tables, table_width, seq_lens,
+                                                     B, H, Hkv, D, block_size, scale, out);
+}
+
 int mw_paged_decode_attention(const float* q, const float* k_cache, const float* v_cache,
                               const int64_t* block_tables, int64_t table_width,
                               const int64_t* seq_lens, int64_t B, int64_t H, int64_t Hkv,
                               int64_t D, int64_t block_size, int64_t num_blocks, float scale,
                               float* out) {
-    const int rc = mw_check_tables(block_tables, table_width, seq_lens, B, block_size, num_blocks);
-    return rc != MW_OK ? rc : mw_paged_attention_run(q, k_cache, v_cache, block_tables, table_width,
-                                                     seq_lens, B, H, Hkv, D, block_size, scale, out);
+    return mw_paged_decode_attention_kv(q, k_cache, v_cache, NULL, NULL, MW_KV_F32, block_tables,
+                                        table_width, seq_lens, B, H, Hkv, D, block_size,
+                                        num_blocks, scale, out);
 }
