@@ -60,11 +60,15 @@ class ModelRunner:
         elif self.device.type == "cpu":
             from memwall.worker.cpu_decode import FusedCpuDecode
             self.fast_path = FusedCpuDecode.build(model, self.kv_caches)
+        # Whether prefill's quantized matmuls take AMX (kernels/cpu/amx.py): its probe runs
+        # here, at start-up, instead of inside the first long prompt.
+        self.amx = self.device.type == "cpu" and _amx_enabled()
 
     def describe(self) -> str:
         if self.device.type != "cuda":
             fused = "; decode steps fused in C" if self.fast_path is not None else ""
-            return f"attention backend {self.backend}{fused}"
+            amx = "; prefill matmuls on AMX (split bf16)" if self.amx else ""
+            return f"attention backend {self.backend}{fused}{amx}"
         return (f"CUDA graphs for decode batches {self.fast_path.buckets}" if self.fast_path
                 else "eager (no CUDA graphs)")
 
@@ -229,3 +233,8 @@ def _logprob_dicts(lp: LogprobsTensors) -> list[dict[int, Logprob]]:
 def _trim_top(entry: dict[int, Logprob], token: int, k: int) -> dict[int, Logprob]:
     """The batch computes max(k) top entries; keep this request's k (plus its sampled token)."""
     return {tid: lp for tid, lp in entry.items() if tid == token or (lp.rank or 0) <= k}
+
+
+def _amx_enabled() -> bool:
+    from memwall.kernels.cpu import amx, build
+    return build.available() and amx.enabled()

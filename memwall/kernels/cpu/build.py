@@ -29,7 +29,8 @@ from pathlib import Path
 logger = logging.getLogger("memwall")
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("quant_gemm.c", "int_gemm.c", "int8_dot.c", "paged_attention.c", "decode.c")
+SOURCES = ("quant_gemm.c", "int_gemm.c", "int8_dot.c", "paged_attention.c", "decode.c",
+           "split_bf16.c")
 HEADERS = ("kernels.h",)
 # -ffp-contract=off: a weight s * q + c is rounded as the reference dequantizer rounds it.
 # -Bsymbolic: calls between the files stay inside one build when tests load several.
@@ -174,6 +175,10 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "q8_gemm_tiles": (i32, [p, i64, i64, i64, p, p, p, p, i64]),
         "q4_dequant": (None, [p, p, p, p, i64, i64]),
         "q8_dequant": (None, [p, p, p, p, i64, i64, i64]),
+        "mw_tiles_from": (i64, []),
+        "mw_split_bf16": (None, [p, i64, p, p]),
+        "mw_q4_dequant_split": (None, [p, p, p, p, p, i64, i64]),
+        "mw_q8_dequant_split": (None, [p, p, p, p, p, i64, i64, i64]),
         "mw_q4_gemv_i8": (i32, [p, i64, p, p, p, p, i64]),
         "mw_q8_gemv_i8": (i32, [p, i64, i64, p, p, p, p, i64]),
         "mw_set_int_acts": (None, [i32]),

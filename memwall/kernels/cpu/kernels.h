@@ -8,6 +8,7 @@
  *     int8_dot.c         one-token q4/q8 matmuls with int8-digit activations (AVX512-VNNI)
  *     paged_attention.c  decode attention over paged KV blocks, read where they lie
  *     decode.c           the fused decode step: all layers of a Llama-family model in one call
+ *     split_bf16.c       hi + lo bf16 operands for split-bf16 (AMX) prefill matmuls (amx.py)
  *
  * Each file picks its code path from the compiler's target macros (__AVX512F__, __AVX2__ with
  * __FMA__, or plain C), so one source builds for every CPU. Sizes: every function takes zero
@@ -40,6 +41,8 @@ void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const f
              const float* c, float* y, int64_t N);
 void q8_gemm(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
              const float* s, const float* c, float* y, int64_t N);
+/* the batch size from which q4_gemm/q8_gemm take the fp32 tiles (AVX-512 builds), else 0 */
+int64_t mw_tiles_from(void);
 int q4_gemm_tiles(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* s,
                   const float* c, float* y, int64_t N);
 int q8_gemm_tiles(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
@@ -64,6 +67,13 @@ int mw_q4_gemv_i8(const float* x, int64_t K, const uint8_t* codes, const float* 
 int mw_q8_gemv_i8(const float* x, int64_t K, int64_t G, const int8_t* codes, const float* s,
                   const float* c, float* y, int64_t N);
 int mw_int8_dot_available(void);
+
+/* split_bf16.c: a = hi + lo, hi = bf16(a) (nearest even), lo = a - hi, both as float32 */
+void mw_split_bf16(const float* x, int64_t n, float* hi, float* lo);
+void mw_q4_dequant_split(const uint8_t* codes, const float* s, const float* c, float* hi,
+                         float* lo, int64_t N, int64_t K);
+void mw_q8_dequant_split(const int8_t* codes, const float* s, const float* c, float* hi,
+                         float* lo, int64_t N, int64_t K, int64_t G);
 
 /* paged_attention.c: KV caches [num_blocks, block_size, kv_heads, head_dim] in one of these
  * element types (memwall/attention/kv_quant.py); MW_KV_I8 has a float scale per token and KV

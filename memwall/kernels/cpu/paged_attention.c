@@ -321,9 +321,21 @@ static void attend(const float* qh, int64_t group, int64_t D, const void* k_cach
 /* one row of D floats -> its cache format at dst (int8: its scale at *scale) */
 static void write_row(const float* x, int64_t D, int kt, void* dst, float* scale) {
     switch (kt) {
-    case MW_KV_F16:
-        for (int64_t i = 0; i < D; i++) ((uint16_t*)dst)[i] = float_to_half(x[i]);
+    case MW_KV_F16: {
+        int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+        /* the hardware's nearest-even conversion after the same saturation (NaN stays NaN:
+           max/min return their second operand, x, when it is NaN) */
+        const __m256 top = _mm256_set1_ps(65504.f), bottom = _mm256_set1_ps(-65504.f);
+        for (; i + 8 <= D; i += 8) {
+            const __m256 v = _mm256_max_ps(bottom, _mm256_min_ps(top, _mm256_loadu_ps(x + i)));
+            _mm_storeu_si128((__m128i*)((uint16_t*)dst + i),
+                             _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+#endif
+        for (; i < D; i++) ((uint16_t*)dst)[i] = float_to_half(x[i]);
         break;
+    }
     case MW_KV_BF16:
         for (int64_t i = 0; i < D; i++) ((uint16_t*)dst)[i] = float_to_bf16(x[i]);
         break;
@@ -350,6 +362,7 @@ int mw_kv_write(const float* x, int64_t n, const int64_t* slots, int64_t num_slo
     for (int64_t b = 0; b < n; b++)
         if (slots[b] < 0 || slots[b] >= num_slots) return MW_BAD_SLOT;
     const int64_t row_bytes = D * kv_elem_size(kt);
+    #pragma omp parallel for schedule(static) if (n * Hkv * D >= 32768)
     for (int64_t b = 0; b < n; b++)
         for (int64_t h = 0; h < Hkv; h++) {
             const int64_t r = slots[b] * Hkv + h;

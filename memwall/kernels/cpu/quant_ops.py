@@ -2,11 +2,14 @@
 q4/q8 layouts of layout.py: ``x`` float32 [M, K] (contiguous) -> ``y`` float32 [M, N].
 
     M = 0            an empty [0, N], no C call (a prefill chunk that needs no logits)
-    M = 1..128       int16 activations (int_gemm.c: AVX2 vpmaddwd, AVX-512 VNNI vpdpwssd, plain
+    M = 1..128       int16 activations (AVX-512 builds: below ``tiles_from()``, 16 tokens a
+                     thread; from there the exact fp32 tiles, which are faster) (int_gemm.c: AVX2 vpmaddwd, AVX-512 VNNI vpdpwssd, plain
                      C; int8_dot.c's int8-digit gemv for one token on AVX512-VNNI) while
                      ``set_int_acts(True)`` (the default); else the exact fp32 row kernels
-    M > 128          16-token fp32 tiles, a tile per thread (AVX-512 builds); elsewhere the
-                     weight is dequantized once and multiplied by BLAS
+    M > 128          split bf16 on AMX (amx.py: three bf16 products, fp32 precision) where the
+                     CPU has AMX and a probe measured it faster; else 16-token fp32 tiles, a tile
+                     per thread (AVX-512 builds); elsewhere the weight is dequantized once and
+                     multiplied by BLAS
     K, N             K must fit the layout (a multiple of 32 for q4, of the group for q8);
                      anything else raises ValueError (layout.LayoutError) before C runs
 
@@ -20,7 +23,7 @@ import ctypes
 
 import torch
 
-from memwall.kernels.cpu import build
+from memwall.kernels.cpu import amx, build
 from memwall.kernels.cpu.build import available
 from memwall.kernels.cpu.layout import check_input, check_packed
 
@@ -55,6 +58,13 @@ def int_gemm_isa() -> str:
     return {3: "vnni", 2: "avx2"}.get(_lib().mw_int_gemm_isa(), "c")
 
 
+def tiles_from() -> int:
+    """The batch size from which q4/q8 matmuls take the exact fp32 tiles even with integer
+    activations on (AVX-512 builds: a full 16-token tile for every thread, where the tiles are
+    faster), or 0 where they never do."""
+    return int(_lib().mw_tiles_from())
+
+
 def int8_dot_available() -> bool:
     return available() and bool(_lib().mw_int8_dot_available())
 
@@ -72,25 +82,41 @@ def q8_matmul(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, c: torch.Te
 def _matmul(kind: str, x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor,
             c: torch.Tensor) -> torch.Tensor:
     """Up to INT_ACTS_MAX_TOKENS: q4_gemm / q8_gemm, which run the integer kernels while on
-    (else the exact fp32 row kernels); more: the 16-token tiles (or, where they are not built,
-    the dequantized weight and BLAS)."""
+    (else the exact fp32 row kernels); more: split bf16 on AMX (amx.py) where it is faster and
+    integer activations are on, else the fp32 tiles (``tiles_matmul``)."""
     k = x.shape[-1]
     n, group = check_packed(kind, k, codes, s, c)
     check_input(x, k, f"{kind}_matmul")
     m = x.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
     if m == 0 or n == 0:
-        return y
+        return torch.empty(m, n, dtype=torch.float32)
     lib = _lib()
-    tiles, gemm = ((lib.q4_gemm_tiles, lib.q4_gemm) if kind == "q4"
-                   else (lib.q8_gemm_tiles, lib.q8_gemm))
-    grouped = () if kind == "q4" else (group,)  # q4's blocks are always 32 wide
-    args = (*grouped, codes.data_ptr(), s.data_ptr(), c.data_ptr(), y.data_ptr(), n)
-    small = INT_ACTS_MAX_TOKENS if lib.mw_int_acts_on() else MAX_TOKENS
-    if m <= small:
-        gemm(x.data_ptr(), m, k, *args)  # more than MAX_TOKENS only with integer activations
+    int_acts = bool(lib.mw_int_acts_on())
+    if m <= (INT_ACTS_MAX_TOKENS if int_acts else MAX_TOKENS):
+        y = torch.empty(m, n, dtype=torch.float32)
+        gemm = lib.q4_gemm if kind == "q4" else lib.q8_gemm
+        grouped = () if kind == "q4" else (group,)  # q4's blocks are always 32 wide
+        # more than MAX_TOKENS only with integer activations
+        gemm(x.data_ptr(), m, k, *grouped, codes.data_ptr(), s.data_ptr(), c.data_ptr(),
+             y.data_ptr(), n)
         return y
-    if tiles(x.data_ptr(), m, k, *args):
+    if int_acts and amx.use_for(m):
+        return amx.matmul(kind, x, codes, s, c)
+    return tiles_matmul(kind, x, codes, s, c)
+
+
+def tiles_matmul(kind: str, x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor,
+                 c: torch.Tensor) -> torch.Tensor:
+    """Any number of tokens in fp32: the 16-token tiles (AVX-512 builds), else the dequantized
+    weight and BLAS. Unchecked: callers checked the layout."""
+    k = x.shape[-1]
+    n, group = check_packed(kind, k, codes, s, c)
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    lib = _lib()
+    tiles = lib.q4_gemm_tiles if kind == "q4" else lib.q8_gemm_tiles
+    grouped = () if kind == "q4" else (group,)
+    if tiles(x.data_ptr(), x.shape[0], k, *grouped, codes.data_ptr(), s.data_ptr(),
+             c.data_ptr(), y.data_ptr(), n):
         return y
     weight = q4_dequantize(codes, s, c, k) if kind == "q4" else q8_dequantize(codes, s, c)
     return _big_linear(x, weight)

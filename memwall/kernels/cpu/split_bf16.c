@@ -1,0 +1,53 @@
+/* Operands for split-bf16 matmuls (memwall/kernels/cpu/amx.py; see kernels.h for the other
+ * files): every float a becomes hi + lo with hi = bf16(a), rounded to nearest even, and
+ * lo = a - hi (exact in float), both stored as float32 so that oneDNN's bf16 conversion of
+ * hi rounds nothing and of lo loses only ~2^-17 of a. Weights come straight from the q4/q8
+ * layouts, rebuilt as s * q + c exactly as q4_dequant/q8_dequant do (quant_gemm.c), so no
+ * float weight is written twice.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+
+static inline void split_one(float a, float* hi, float* lo) {
+    uint32_t u;
+    memcpy(&u, &a, 4);
+    /* round to nearest even at bit 16; an exponent of all ones (inf, NaN) is left alone */
+    const uint32_t r = ((u & 0x7F800000u) == 0x7F800000u) ? u : u + 0x7FFFu + ((u >> 16) & 1u);
+    const uint32_t h = r & 0xFFFF0000u;
+    float f;
+    memcpy(&f, &h, 4);
+    *hi = f;
+    *lo = a - f;
+}
+
+void mw_split_bf16(const float* x, int64_t n, float* hi, float* lo) {
+    #pragma omp parallel for schedule(static) if (n > (1 << 16))
+    for (int64_t i = 0; i < n; i++) split_one(x[i], hi + i, lo + i);
+}
+
+void mw_q4_dequant_split(const uint8_t* codes, const float* s, const float* c, float* hi,
+                         float* lo, int64_t N, int64_t K) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t b = 0; b < K / 32; b++) {
+            const uint8_t* q = codes + n * (K / 2) + b * 16;
+            const float sb = s[n * (K / 32) + b], cb = c[n * (K / 32) + b];
+            const int64_t o = n * K + b * 32;
+            for (int j = 0; j < 16; j++) {
+                split_one((float)(q[j] & 15) * sb + cb, hi + o + j, lo + o + j);
+                split_one((float)(q[j] >> 4) * sb + cb, hi + o + j + 16, lo + o + j + 16);
+            }
+        }
+}
+
+void mw_q8_dequant_split(const int8_t* codes, const float* s, const float* c, float* hi,
+                         float* lo, int64_t N, int64_t K, int64_t G) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t g = n * (K / G) + k / G;
+            split_one((float)codes[n * K + k] * s[g] + c[g], hi + n * K + k, lo + n * K + k);
+        }
+}
