@@ -80,7 +80,8 @@ def main() -> None:
                 y = torch.empty(m, n)
                 gemm = lib.q4_gemm if kind == "q4" else lib.q8_gemm
                 grouped = () if kind == "q4" else (32,)
-                ptrs = (*grouped, codes.data_ptr(), s.data_ptr(), c.data_ptr(), y.data_ptr(), n)
+                ptrs = (*grouped, codes.data_ptr(), s.data_ptr(), c.data_ptr(), y.data_ptr(), n,
+                        int(s.dtype == torch.float16))
                 integer = lib.mw_q4_gemm_i16 if kind == "q4" else lib.mw_q8_gemm_i16
                 samples = {"exact": [], "int": [], "blas": []}
                 for _ in range(args.repeats):  # alternate the paths: drift hits all alike

@@ -75,6 +75,18 @@ class QuantMethod(ABC):
         return f"{type(self).__name__}()"
 
 
+def scale_tables(s: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A native q4/q8 layout's scales and offsets: float16 when that holds every value exactly
+    (GGUF's Q4_0, Q4_1 and Q8_0 store fp16 scales: their weights then cost 0.625 and 1.0625
+    bytes a value instead of 0.75 and 1.25, and not one weight changes), else float32 (K-quants'
+    products of two scales, our own quantizers' scales)."""
+    s, c = s.float().contiguous(), c.float().contiguous()
+    s16, c16 = s.half(), c.half()
+    if torch.equal(s16.float(), s) and torch.equal(c16.float(), c):
+        return s16, c16
+    return s, c
+
+
 def stack_rows(method: QuantMethod, parts: list[QuantWeights]) -> QuantWeights | None:
     """``concat`` for layouts that keep one row of every tensor per output feature: the parts'
     tensors stacked along dim 0. None unless every part is of ``method``'s type with the same

@@ -52,7 +52,8 @@ class QuantEmbedding(nn.Module):
             q = torch.cat([b & 0x0F, b >> 4], dim=2).view(len(flat), -1)  # [T, H]
         else:
             q = rows
-        s, c = self.s.index_select(0, flat), self.c.index_select(0, flat)  # [T, H/G]
+        s = self.s.index_select(0, flat).float()  # [T, H/G] (fp16 tables widen exactly)
+        c = self.c.index_select(0, flat).float()
         groups = s.shape[1]
         w = q.float().view(len(flat), groups, -1) * s[..., None] + c[..., None]  # [T, H/G, G]
         return w.view(*ids.shape, self.embedding_dim)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from memwall.kernels.cpu import quant_ops
 from memwall.kernels.cpu.layout import PackedWeight
-from memwall.quant.base import QuantLinear, QuantMethod, QuantWeights, stack_rows
+from memwall.quant.base import QuantLinear, QuantMethod, QuantWeights, scale_tables, stack_rows
 
 GROUP_SIZES = (32, 64, 128, 256)
 # From this many tokens on, dequantize to bf16 and use F.linear (see the module docstring;
@@ -241,8 +241,9 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
 
 
 class NativeQ4(QuantMethod):
-    """4-bit codes in 32-value blocks, w = s * q + c with fp32 s and c, computed in fp32 by
-    memwall/kernels/cpu (bit-identical weights to the GGUF reference dequantizer)."""
+    """4-bit codes in 32-value blocks, w = s * q + c with fp16 (where exact) or fp32 s and c,
+    computed in fp32 by memwall/kernels/cpu (bit-identical weights to the GGUF reference
+    dequantizer)."""
 
     name = "int4"
 
@@ -258,7 +259,8 @@ class NativeQ4(QuantMethod):
 
     def from_codes(self, q: torch.Tensor, s: torch.Tensor, c: torch.Tensor, source: str) -> QuantWeights:
         """q [N, K] codes 0..15; s, c [N, K/32] float: w = s * q + c."""
-        tensors = {"codes": pack_nibbles(q), "s": s.float().contiguous(), "c": c.float().contiguous()}
+        s, c = scale_tables(s, c)
+        tensors = {"codes": pack_nibbles(q), "s": s, "c": c}
         return QuantWeights(self, tensors, out_features=q.shape[0], in_features=q.shape[1], source=source)
 
     def concat(self, parts: list[QuantWeights]) -> QuantWeights | None:

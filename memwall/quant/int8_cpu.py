@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from memwall.kernels.cpu import quant_ops
 from memwall.kernels.cpu.layout import PackedWeight
-from memwall.quant.base import QuantLinear, QuantMethod, QuantWeights, stack_rows
+from memwall.quant.base import QuantLinear, QuantMethod, QuantWeights, scale_tables, stack_rows
 from memwall.quant.int4_cpu import DEQUANT_MIN_TOKENS, _to_bf16_up
 
 _K_ALIGN = 16
@@ -88,8 +88,8 @@ class NativeQ8(QuantMethod):
         n, k = q.shape
         if k % s.shape[1] or (k // s.shape[1]) % _K_ALIGN:
             raise ValueError(f"int8: group of {k // s.shape[1]} inputs is not a multiple of {_K_ALIGN}")
-        tensors = {"codes": q.to(torch.int8).contiguous(), "s": s.float().contiguous(),
-                   "c": c.float().contiguous()}
+        s, c = scale_tables(s, c)
+        tensors = {"codes": q.to(torch.int8).contiguous(), "s": s, "c": c}
         return QuantWeights(self, tensors, out_features=n, in_features=k, source=source)
 
     def concat(self, parts: list[QuantWeights]) -> QuantWeights | None:

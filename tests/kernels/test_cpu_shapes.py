@@ -108,7 +108,7 @@ def test_integer_activation_kernels_at_every_shape(isa, kind, k, group):
     y = torch.empty(9, 37)
     fn, grouped = ((lib.mw_q4_gemm_i16, ()) if kind == "q4" else (lib.mw_q8_gemm_i16, (group,)))
     took = fn(x.data_ptr(), 9, k, *grouped, codes.data_ptr(), s.data_ptr(), c.data_ptr(),
-              y.data_ptr(), 37)
+              y.data_ptr(), 37, 0)
     assert took == int(k % 32 == 0 and (group == 16 or group % 32 == 0))  # 32-value blocks
     if took:
         error = (y.double() - x.double() @ w.double().T).abs()
@@ -131,15 +131,15 @@ def test_c_entry_points_take_zero_rows_and_more_than_a_tile(isa):
         x = torch.randn(m, 64)
         y = torch.full((m, n), float("nan"))
         lib.q8_gemm(x.data_ptr(), m, 64, 32, codes.data_ptr(), s.data_ptr(), c.data_ptr(),
-                    y.data_ptr(), n)
+                    y.data_ptr(), n, 0)
         lib.q8_gemm_tiles(x.data_ptr(), m, 64, 32, codes.data_ptr(), s.data_ptr(), c.data_ptr(),
-                          y.data_ptr(), n)
+                          y.data_ptr(), n, 0)
         _close(y, x.double() @ w[:n].double().T)
     codes, s, c, w = _weight("q4", 8, 64, 32, seed=2)
     for m in (0, 17, 40):
         x = torch.randn(m, 64)
         y = torch.full((m, 8), float("nan"))
-        lib.q4_gemm(x.data_ptr(), m, 64, codes.data_ptr(), s.data_ptr(), c.data_ptr(), y.data_ptr(), 8)
+        lib.q4_gemm(x.data_ptr(), m, 64, codes.data_ptr(), s.data_ptr(), c.data_ptr(), y.data_ptr(), 8, 0)
         _close(y, x.double() @ w.double().T)
 
 
@@ -370,3 +370,44 @@ def test_engine_past_the_default_budget(gguf_path, torch_path):
     """The issue's reproducer with the default 2,048-token budget: a 2,048-token chunk that
     needs no logits, then the last token; tokens equal the torch path's."""
     assert _greedy(_native_llm(gguf_path, 2048), PROMPT_2049) == torch_path(PROMPT_2049)
+
+
+HALF_TOKENS = [1, 2, 9, 16, 17, 32, 40, 129]  # gemv, integer rows, tiles, past the integer limit
+
+
+@pytest.mark.parametrize("kind,group", [("q4", 32), ("q8", 16), ("q8", 32), ("q8", 64)])
+@pytest.mark.parametrize("int_acts", [True, False])
+def test_fp16_scale_tables_give_the_float32_tables_results(isa, kind, group, int_acts):
+    """GGUF's fp16 scales stay fp16 in memory (layout.py): every kernel widens them to the very
+    floats a float32 table holds, so each path's result is bit-identical to the same weight with
+    float32 tables (one-token gemv, integer rows, AVX-512 tiles, exact kernels, dequantizers)."""
+    lib = build.lib()
+    codes, s, c, _ = _weight(kind, 40, 128, group, seed=7)
+    s, c = s.half().float(), (c * 4).half().float()  # values fp16 holds exactly
+    s16, c16 = s.half(), c.half()
+    matmul = quant_ops.q4_matmul if kind == "q4" else quant_ops.q8_matmul
+    lib.mw_set_int_acts(int(int_acts))
+    try:
+        for m in HALF_TOKENS:
+            x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m))
+            assert torch.equal(matmul(x, codes, s16, c16), matmul(x, codes, s, c)), m
+    finally:
+        lib.mw_set_int_acts(0)
+    dequantize = ((lambda a, b: quant_ops.q4_dequantize(codes, a, b, 128)) if kind == "q4"
+                  else (lambda a, b: quant_ops.q8_dequantize(codes, a, b)))
+    assert torch.equal(dequantize(s16, c16), dequantize(s, c))
+
+
+def test_scale_tables_are_fp16_only_where_exact():
+    from memwall.kernels.cpu.layout import LayoutError, PackedWeight
+    from memwall.quant.base import scale_tables
+
+    exact = torch.tensor([[0.5, -3.0], [1024.0, 2.0 ** -20]])
+    assert [t.dtype for t in scale_tables(exact, -exact)] == [torch.float16] * 2
+    for inexact in (exact + 1e-4, exact * 1e5, torch.full((2, 2), float("nan"))):
+        assert [t.dtype for t in scale_tables(exact, inexact)] == [torch.float32] * 2
+    codes, s, c, _ = _weight("q4", 2, 64, 32, seed=8)
+    assert PackedWeight("q4", 32, 2, 64, codes, s.half(), c.half()).half == 1
+    assert PackedWeight("q4", 32, 2, 64, codes, s, c).half == 0
+    with pytest.raises(LayoutError, match="offsets"):
+        PackedWeight("q4", 32, 2, 64, codes, s.half(), c)  # one table each way: refused

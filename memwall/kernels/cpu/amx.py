@@ -31,7 +31,7 @@ import time
 import torch
 
 from memwall.kernels.cpu import build
-from memwall.kernels.cpu.layout import check_packed
+from memwall.kernels.cpu.layout import check_packed, half_scales
 
 logger = logging.getLogger("memwall")
 
@@ -82,10 +82,10 @@ def split_weight(kind: str, k: int, codes: torch.Tensor, s: torch.Tensor,
         lib = build.require()
         if kind == "q4":
             lib.mw_q4_dequant_split(codes.data_ptr(), s.data_ptr(), c.data_ptr(), hi.data_ptr(),
-                                    lo.data_ptr(), n, k)
+                                    lo.data_ptr(), n, k, half_scales(s))
         else:
             lib.mw_q8_dequant_split(codes.data_ptr(), s.data_ptr(), c.data_ptr(), hi.data_ptr(),
-                                    lo.data_ptr(), n, k, group)
+                                    lo.data_ptr(), n, k, group, half_scales(s))
     return hi, lo
 
 

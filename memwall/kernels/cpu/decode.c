@@ -35,9 +35,10 @@ typedef struct {            /* one weight matrix [n, k]; y = x @ W^T (+ bias) */
     int32_t group;          /* MW_Q8: values per (s, c) pair */
     int64_t n, k;
     const void* w;
-    const float* s;
-    const float* c;
+    const void* s;          /* float32, or float16 when half */
+    const void* c;
     const float* bias;      /* [n] or NULL */
+    int64_t half;
 } mw_part;
 
 typedef struct {            /* a projection: up to 3 parts whose outputs sit side by side */
@@ -107,16 +108,19 @@ static void part_apply(const mw_part* p, const float* x, int64_t M, float* y, in
             int direct = rows == 1 || ldy == p->n;
             float* out = direct ? y + m0 * ldy : tmp;
             if (rows == 1 && p->kind == MW_Q4 &&
-                mw_q4_gemv_i8(x + m0 * p->k, p->k, (const uint8_t*)p->w, p->s, p->c, out, p->n))
+                mw_q4_gemv_i8(x + m0 * p->k, p->k, (const uint8_t*)p->w, p->s, p->c, out, p->n,
+                              (int)p->half))
                 continue;
             if (rows == 1 && p->kind == MW_Q8 &&
-                mw_q8_gemv_i8(x + m0 * p->k, p->k, p->group, (const int8_t*)p->w, p->s, p->c, out, p->n))
+                mw_q8_gemv_i8(x + m0 * p->k, p->k, p->group, (const int8_t*)p->w, p->s, p->c, out, p->n,
+                              (int)p->half))
                 continue;
             if (p->kind == MW_Q4)
-                q4_gemm(x + m0 * p->k, rows, p->k, (const uint8_t*)p->w, p->s, p->c, out, p->n);
+                q4_gemm(x + m0 * p->k, rows, p->k, (const uint8_t*)p->w, p->s, p->c, out, p->n,
+                        (int)p->half);
             else
                 q8_gemm(x + m0 * p->k, rows, p->k, p->group, (const int8_t*)p->w, p->s, p->c,
-                        out, p->n);
+                        out, p->n, (int)p->half);
             if (!direct)
                 for (int64_t r = 0; r < rows; r++)
                     memcpy(y + (m0 + r) * ldy, tmp + r * p->n, p->n * sizeof(float));

@@ -27,7 +27,7 @@ _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c
 
 class Part(ctypes.Structure):
     _fields_ = [("kind", _i32), ("group", _i32), ("n", _i64), ("k", _i64), ("w", _p),
-                ("s", _p), ("c", _p), ("bias", _p)]
+                ("s", _p), ("c", _p), ("bias", _p), ("half", _i64)]
 
 
 class Proj(ctypes.Structure):
@@ -64,7 +64,7 @@ def _part(weight: PackedWeight) -> Part:
         return None if t is None else t.data_ptr()
 
     return Part(KINDS[weight.kind], weight.group, weight.n, weight.k, weight.codes.data_ptr(),
-                ptr(weight.scales), ptr(weight.offsets), ptr(weight.bias))
+                ptr(weight.scales), ptr(weight.offsets), ptr(weight.bias), int(weight.half))
 
 
 def _proj(module: nn.Module, keep: list) -> Proj:

@@ -171,40 +171,47 @@ static int quantize_token(const float* x, int64_t K, int q4_order, int64_t G, qt
 
 /* y[N] = x[K] @ W^T for one token with int8 dot products; returns 0 when it cannot (no VNNI,
  * switched off, or a shape it does not take), and the caller runs the fp32 kernel. */
-int mw_q4_gemv_i8(const float* x, int64_t K, const uint8_t* codes, const float* s,
-                  const float* c, float* y, int64_t N) {
+int mw_q4_gemv_i8(const float* x, int64_t K, const uint8_t* codes, const void* s,
+                  const void* c, float* y, int64_t N, int half) {
 #ifdef MW_VNNI
     qtoken t;
     if (N <= 0) return 1;  /* nothing to compute */
     if (!mw_int_acts || K <= 0 || K % 64 || !quantize_token(x, K, 1, 32, &t)) return 0;
+    const int64_t nb = K / 32;
     #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        y[n] = q4_row_i8(codes + n * (K / 2), s + n * (K / 32), c + n * (K / 32), K, t.hi, t.lo,
-                         t.dlane, t.gsum);
+    for (int64_t n = 0; n < N; n++) {
+        float sbuf[nb], cbuf[nb];  /* fp16 scales widened (unused for float32 ones) */
+        y[n] = q4_row_i8(codes + n * (K / 2), mw_scales_f32(s, half, n * nb, nb, sbuf),
+                         mw_scales_f32(c, half, n * nb, nb, cbuf), K, t.hi, t.lo, t.dlane, t.gsum);
+    }
     free(t.hi);
     return 1;
 #else
-    (void)x; (void)K; (void)codes; (void)s; (void)c; (void)y; (void)N;
+    (void)x; (void)K; (void)codes; (void)s; (void)c; (void)y; (void)N; (void)half;
     return 0;
 #endif
 }
 
-int mw_q8_gemv_i8(const float* x, int64_t K, int64_t G, const int8_t* codes, const float* s,
-                  const float* c, float* y, int64_t N) {
+int mw_q8_gemv_i8(const float* x, int64_t K, int64_t G, const int8_t* codes, const void* s,
+                  const void* c, float* y, int64_t N, int half) {
 #ifdef MW_VNNI
     qtoken t;
     if (N <= 0) return 1;
     if (!mw_int_acts || K <= 0 || K % 64 || G <= 0 || !(G == 16 || G == 32 || G % 64 == 0) ||
         !quantize_token(x, K, 0, G, &t))
         return 0;
+    const int64_t ng = K / G;
     #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        y[n] = q8_row_i8(codes + n * K, s + n * (K / G), c + n * (K / G), K, G, t.hi, t.lo,
-                         t.dlane, t.gsum, t.xcorr);
+    for (int64_t n = 0; n < N; n++) {
+        float sbuf[ng], cbuf[ng];
+        y[n] = q8_row_i8(codes + n * K, mw_scales_f32(s, half, n * ng, ng, sbuf),
+                         mw_scales_f32(c, half, n * ng, ng, cbuf), K, G, t.hi, t.lo, t.dlane,
+                         t.gsum, t.xcorr);
+    }
     free(t.hi);
     return 1;
 #else
-    (void)x; (void)K; (void)G; (void)codes; (void)s; (void)c; (void)y; (void)N;
+    (void)x; (void)K; (void)G; (void)codes; (void)s; (void)c; (void)y; (void)N; (void)half;
     return 0;
 #endif
 }

@@ -264,31 +264,37 @@ static void rows_all_tokens(int is_q4, const qacts* a, const uint8_t* codes, con
 }
 
 static int int_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G,
-                    const void* codes, const float* s, const float* c, float* y, int64_t N) {
+                    const void* codes, const void* s, const void* c, float* y, int64_t N,
+                    int half) {
     if (M <= 0 || N <= 0) return 1;  /* nothing to compute */
     if (!mw_int_acts || K <= 0 || K % QBLOCK || G <= 0 || K % G || !(G == 16 || G % QBLOCK == 0))
         return 0;
     qacts a;
     if (!quantize_acts(x, M, K, G, &a)) return 0;
-    /* threads take runs of 8 rows (whole row groups of rows_for_tile) */
-    const int64_t chunks = (N + 7) / 8;
+    /* threads take runs of 8 rows (whole row groups of rows_for_tile); fp16 scales of a run
+       are widened first, and the run is then addressed from its first row */
+    const int64_t chunks = (N + 7) / 8, ng = K / G, row_bytes = is_q4 ? K / 2 : K;
     #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < chunks; i++)
-        rows_all_tokens(is_q4, &a, (const uint8_t*)codes, s, c, y, N, i * 8,
-                        (i + 1) * 8 < N ? (i + 1) * 8 : N);
+    for (int64_t i = 0; i < chunks; i++) {
+        const int64_t n0 = i * 8, rows = (i + 1) * 8 < N ? 8 : N - n0;
+        float sbuf[8 * ng], cbuf[8 * ng];  /* ng <= K / 16 */
+        rows_all_tokens(is_q4, &a, (const uint8_t*)codes + n0 * row_bytes,
+                        mw_scales_f32(s, half, n0 * ng, rows * ng, sbuf),
+                        mw_scales_f32(c, half, n0 * ng, rows * ng, cbuf), y + n0, N, 0, rows);
+    }
     free_acts(&a);
     return 1;
 }
 
 /* y [M, N] = x [M, K] @ W^T for a q4 weight (codes [N, K/2], s, c [N, K/32]) with int16
  * activations; 0 when it cannot (switched off, K not a multiple of 32, out of memory) */
-int mw_q4_gemm_i16(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* s,
-                   const float* c, float* y, int64_t N) {
-    return int_gemm(1, x, M, K, 32, codes, s, c, y, N);
+int mw_q4_gemm_i16(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s,
+                   const void* c, float* y, int64_t N, int half) {
+    return int_gemm(1, x, M, K, 32, codes, s, c, y, N, half);
 }
 
 /* the same for a q8 weight (codes [N, K], s, c [N, K/G]) */
 int mw_q8_gemm_i16(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
-                   const float* s, const float* c, float* y, int64_t N) {
-    return int_gemm(0, x, M, K, G, codes, s, c, y, N);
+                   const void* s, const void* c, float* y, int64_t N, int half) {
+    return int_gemm(0, x, M, K, G, codes, s, c, y, N, half);
 }

@@ -20,7 +20,9 @@
 #define MEMWALL_KERNELS_H
 
 #include <stdint.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -36,44 +38,46 @@ enum {
     MW_BAD_SLOT = -5,       /* a cache slot outside 0..num_blocks * block_size - 1 */
 };
 
-/* quant_gemm.c: y [M, N] = x [M, K] @ W^T with W = s * q + c per block of K (row-major) */
-void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* s,
-             const float* c, float* y, int64_t N);
+/* quant_gemm.c: y [M, N] = x [M, K] @ W^T with W = s * q + c per block of K (row-major).
+ * Every q4/q8 entry point below takes s and c as float32, or float16 when half is 1. */
+void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s,
+             const void* c, float* y, int64_t N, int half);
 void q8_gemm(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
-             const float* s, const float* c, float* y, int64_t N);
+             const void* s, const void* c, float* y, int64_t N, int half);
 /* the batch size from which q4_gemm/q8_gemm take the fp32 tiles (AVX-512 builds), else 0 */
 int64_t mw_tiles_from(void);
-int q4_gemm_tiles(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* s,
-                  const float* c, float* y, int64_t N);
+int q4_gemm_tiles(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s,
+                  const void* c, float* y, int64_t N, int half);
 int q8_gemm_tiles(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
-                  const float* s, const float* c, float* y, int64_t N);
-void q4_dequant(const uint8_t* codes, const float* s, const float* c, float* w, int64_t N, int64_t K);
-void q8_dequant(const int8_t* codes, const float* s, const float* c, float* w, int64_t N,
-                int64_t K, int64_t G);
+                  const void* s, const void* c, float* y, int64_t N, int half);
+void q4_dequant(const uint8_t* codes, const void* s, const void* c, float* w, int64_t N,
+                int64_t K, int half);
+void q8_dequant(const int8_t* codes, const void* s, const void* c, float* w, int64_t N,
+                int64_t K, int64_t G, int half);
 
 /* int_gemm.c: any M; 0 when it cannot (switched off, a shape it does not take) */
 extern int mw_int_acts;  /* 1: q4/q8 matmuls quantize activations; 0: the exact fp32 kernels */
 void mw_set_int_acts(int on);
 int mw_int_acts_on(void);
 int mw_int_gemm_isa(void);  /* 3 VNNI, 2 AVX2, 1 plain C */
-int mw_q4_gemm_i16(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* s,
-                   const float* c, float* y, int64_t N);
+int mw_q4_gemm_i16(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s,
+                   const void* c, float* y, int64_t N, int half);
 int mw_q8_gemm_i16(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
-                   const float* s, const float* c, float* y, int64_t N);
+                   const void* s, const void* c, float* y, int64_t N, int half);
 
 /* int8_dot.c: one token; 0 when it cannot (no VNNI, switched off, a shape it does not take) */
-int mw_q4_gemv_i8(const float* x, int64_t K, const uint8_t* codes, const float* s,
-                  const float* c, float* y, int64_t N);
-int mw_q8_gemv_i8(const float* x, int64_t K, int64_t G, const int8_t* codes, const float* s,
-                  const float* c, float* y, int64_t N);
+int mw_q4_gemv_i8(const float* x, int64_t K, const uint8_t* codes, const void* s,
+                  const void* c, float* y, int64_t N, int half);
+int mw_q8_gemv_i8(const float* x, int64_t K, int64_t G, const int8_t* codes, const void* s,
+                  const void* c, float* y, int64_t N, int half);
 int mw_int8_dot_available(void);
 
 /* split_bf16.c: a = hi + lo, hi = bf16(a) (nearest even), lo = a - hi, both as float32 */
 void mw_split_bf16(const float* x, int64_t n, float* hi, float* lo);
-void mw_q4_dequant_split(const uint8_t* codes, const float* s, const float* c, float* hi,
-                         float* lo, int64_t N, int64_t K);
-void mw_q8_dequant_split(const int8_t* codes, const float* s, const float* c, float* hi,
-                         float* lo, int64_t N, int64_t K, int64_t G);
+void mw_q4_dequant_split(const uint8_t* codes, const void* s, const void* c, float* hi,
+                         float* lo, int64_t N, int64_t K, int half);
+void mw_q8_dequant_split(const int8_t* codes, const void* s, const void* c, float* hi,
+                         float* lo, int64_t N, int64_t K, int64_t G, int half);
 
 /* paged_attention.c: KV caches [num_blocks, block_size, kv_heads, head_dim] in one of these
  * element types (memwall/attention/kv_quant.py); MW_KV_I8 has a float scale per token and KV
@@ -103,6 +107,55 @@ int mw_kv_write(const float* x, int64_t n, const int64_t* slots, int64_t num_slo
                 int64_t D, int kv_type, void* cache, float* scales);
 
 /* ------------------------------------------------------------------ shared vector helpers */
+
+/* IEEE half -> float, exact (subnormals, inf and NaN included) */
+static inline float mw_half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, em = h & 0x7FFF;
+    uint32_t bits;
+    if (em >= 0x7C00) bits = sign | 0x7F800000 | ((em & 0x3FF) << 13);
+    else if (em >= 0x400) bits = sign | ((em << 13) + (112u << 23));
+    else {
+        const float sub = (float)em * 5.9604644775390625e-8f;  /* 2^-24 */
+        memcpy(&bits, &sub, 4);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* n halves -> floats (F16C where the build has it) */
+static inline void mw_halves_to_floats(const uint16_t* src, float* dst, int64_t n) {
+    int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
+#endif
+    for (; i < n; i++) dst[i] = mw_half_to_float(src[i]);
+}
+
+/* The scales and offsets of a q4/q8 weight (s, c [N, K/group]) are float32, or float16 when
+ * the caller says ``half`` (GGUF's Q4_0/Q4_1/Q8_0 store them as fp16: memwall keeps them so,
+ * half the bytes). Kernels read float32: count entries from index first of a table, as float32
+ * -- the table itself when it is float32, else converted into buf. */
+static inline const float* mw_scales_f32(const void* table, int half, int64_t first,
+                                         int64_t count, float* buf) {
+    if (!half) return (const float*)table + first;
+    mw_halves_to_floats((const uint16_t*)table + first, buf, count);
+    return buf;
+}
+
+/* A whole float32 copy of a half table (the exact kernels and the dequantizers, which are not
+ * where decode spends its time), or the table itself; *owned is what to free (NULL: nothing).
+ * NULL when out of memory. */
+static inline const float* mw_table_f32(const void* table, int half, int64_t count, float** owned) {
+    *owned = NULL;
+    if (!half) return (const float*)table;
+    float* copy = (float*)malloc(sizeof(float) * (size_t)(count > 0 ? count : 1));
+    if (copy) mw_halves_to_floats((const uint16_t*)table, copy, count);
+    *owned = copy;
+    return copy;
+}
 
 static inline float dot_f32(const float* a, const float* b, int64_t n) {
     int64_t i = 0;

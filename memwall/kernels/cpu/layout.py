@@ -6,10 +6,14 @@ read only these descriptions, so nothing in memwall/kernels imports memwall/quan
 
     kind  codes                        scales, offsets         w[n, k]
     f32   float32 [N, K]               None                    codes[n, k]
-    q4    uint8   [N, K/2]             float32 [N, K/32]       s * q + c,  q in 0..15, a 32-value
+    q4    uint8   [N, K/2]             float [N, K/32]         s * q + c,  q in 0..15, a 32-value
                                                                block = 16 bytes, byte j holds
                                                                q[j] | q[j + 16] << 4
-    q8    int8    [N, K]               float32 [N, K/group]    s * q + c,  group % 16 == 0
+    q8    int8    [N, K]               float [N, K/group]      s * q + c,  group % 16 == 0
+
+Scales and offsets are float32, or float16 (both the same): GGUF's Q4_0, Q4_1 and Q8_0 store
+theirs as fp16, and keeping them so halves their bytes (a tenth of a Q4 weight's) with no
+change to any weight; the kernels widen them as they read (``half_scales``).
 
 All rows are contiguous and on the CPU; ``bias`` is float32 [N] or None.
 """
@@ -25,6 +29,7 @@ KINDS = ("f32", "q4", "q8")
 Q4_BLOCK = 32  # inputs per (scale, offset) pair of a q4 weight
 Q8_ALIGN = 16  # a q8 group is a multiple of this many inputs (the kernels' vector width)
 _CODE_DTYPES = {"f32": torch.float32, "q4": torch.uint8, "q8": torch.int8}
+SCALE_DTYPES = (torch.float32, torch.float16)
 
 
 class LayoutError(ValueError):
@@ -43,6 +48,11 @@ class PackedWeight:
     scales: torch.Tensor | None = None
     offsets: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+
+    @property
+    def half(self) -> int:
+        """1 when the scales and offsets are float16 (the kernels' ``half`` argument)."""
+        return 0 if self.scales is None else half_scales(self.scales)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -79,9 +89,15 @@ def check_packed(kind: str, k: int, codes: torch.Tensor, scales: torch.Tensor,
     else:
         raise LayoutError(f"kind {kind!r} is not a packed layout (q4 or q8)")
     _check_tensor(f"{kind} codes", codes, _CODE_DTYPES[kind], (n, width))
-    _check_tensor(f"{kind} scales", scales, torch.float32, (n, k // group))
-    _check_tensor(f"{kind} offsets", offsets, torch.float32, (n, k // group))
+    scale_dtype = scales.dtype if scales is not None and scales.dtype in SCALE_DTYPES else torch.float32
+    _check_tensor(f"{kind} scales", scales, scale_dtype, (n, k // group))
+    _check_tensor(f"{kind} offsets", offsets, scale_dtype, (n, k // group))
     return n, group
+
+
+def half_scales(scales: torch.Tensor) -> int:
+    """The kernels' ``half`` argument: 1 for float16 scales and offsets, 0 for float32."""
+    return int(scales.dtype == torch.float16)
 
 
 def check_input(x: torch.Tensor, k: int, what: str) -> None:

@@ -143,13 +143,28 @@ static float* pack_x16(const float* x, int64_t M, int64_t K) {
     return xp;
 }
 
-/* A kernel that cannot get its scratch (up to 16 tokens of x) must not return a y it never
-   wrote: stop with a message (the process is out of memory; torch fails at its next step). */
+#endif
+
+/* A kernel that cannot get its scratch (up to 16 tokens of x, or a float32 copy of fp16
+   scales) must not return a y it never wrote: stop with a message (the process is out of
+   memory; torch fails at its next step). */
 static void out_of_memory(const char* where, size_t bytes) {
     fprintf(stderr, "memwall: %s could not allocate %zu bytes\n", where, bytes);
     abort();
 }
-#endif
+
+/* float32 views of a weight's scale tables for the kernels that read whole tables */
+typedef struct { const float *s, *c; float *own_s, *own_c; } f32_tables;
+
+static f32_tables tables_f32(const void* s, const void* c, int64_t count, int half) {
+    f32_tables t;
+    t.s = mw_table_f32(s, half, count, &t.own_s);
+    t.c = mw_table_f32(c, half, count, &t.own_c);
+    if (!t.s || !t.c) out_of_memory("a float32 copy of fp16 scales", (size_t)count * 8);
+    return t;
+}
+
+static void free_tables(f32_tables* t) { free(t->own_s); free(t->own_c); }
 
 /* Several tokens go through K in blocks small enough that their slice of x stays in L1
    while every weight row streams past it: for a down projection (K = 1536) 16 tokens' x is
@@ -190,15 +205,12 @@ static int tiles_pay(int64_t M) {
     return from > 0 && M >= from;
 }
 
-void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* s,
-             const float* c, float* y, int64_t N) {
-    if (nothing_to_do(M, K, y, N)) return;
-    if (M == 1 && mw_q4_gemv_i8(x, K, codes, s, c, y, N)) return;  /* AVX-512 VNNI gemv */
-    if (tiles_pay(M) && q4_gemm_tiles(x, M, K, codes, s, c, y, N)) return;
-    if (mw_q4_gemm_i16(x, M, K, codes, s, c, y, N)) return;        /* int16 activations */
+/* the exact fp32 kernel (float32 scales), MAXM tokens at a time */
+static void q4_gemm_exact(const float* x, int64_t M, int64_t K, const uint8_t* codes,
+                          const float* s, const float* c, float* y, int64_t N) {
     if (M > MAXM) {
         for (int64_t m0 = 0; m0 < M; m0 += MAXM)
-            q4_gemm(x + m0 * K, M - m0 < MAXM ? M - m0 : MAXM, K, codes, s, c, y + m0 * N, N);
+            q4_gemm_exact(x + m0 * K, M - m0 < MAXM ? M - m0 : MAXM, K, codes, s, c, y + m0 * N, N);
         return;
     }
     const int64_t nb = K / 32;
@@ -299,15 +311,12 @@ static void q8_gemv4(const float* x, int64_t K, int64_t G, const int8_t* codes,
 }
 #endif
 
-void q8_gemm(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
-             const float* s, const float* c, float* y, int64_t N) {
-    if (nothing_to_do(M, K, y, N)) return;
-    if (M == 1 && mw_q8_gemv_i8(x, K, G, codes, s, c, y, N)) return;
-    if (tiles_pay(M) && q8_gemm_tiles(x, M, K, G, codes, s, c, y, N)) return;
-    if (mw_q8_gemm_i16(x, M, K, G, codes, s, c, y, N)) return;
+static void q8_gemm_exact(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
+                          const float* s, const float* c, float* y, int64_t N) {
     if (M > MAXM) {
         for (int64_t m0 = 0; m0 < M; m0 += MAXM)
-            q8_gemm(x + m0 * K, M - m0 < MAXM ? M - m0 : MAXM, K, G, codes, s, c, y + m0 * N, N);
+            q8_gemm_exact(x + m0 * K, M - m0 < MAXM ? M - m0 : MAXM, K, G, codes, s, c,
+                          y + m0 * N, N);
         return;
     }
     const int64_t ng = K / G;
@@ -397,35 +406,66 @@ static int gemm_tiles(int is_q4, const float* x, int64_t M, int64_t K, int64_t G
 }
 #endif
 
+void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s,
+             const void* c, float* y, int64_t N, int half) {
+    if (nothing_to_do(M, K, y, N)) return;
+    if (M == 1 && mw_q4_gemv_i8(x, K, codes, s, c, y, N, half)) return;  /* AVX-512 VNNI gemv */
+    if (tiles_pay(M) && q4_gemm_tiles(x, M, K, codes, s, c, y, N, half)) return;
+    if (mw_q4_gemm_i16(x, M, K, codes, s, c, y, N, half)) return;        /* int16 activations */
+    f32_tables t = tables_f32(s, c, N * (K / 32), half);
+    q4_gemm_exact(x, M, K, codes, t.s, t.c, y, N);
+    free_tables(&t);
+}
+
+void q8_gemm(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
+             const void* s, const void* c, float* y, int64_t N, int half) {
+    if (nothing_to_do(M, K, y, N)) return;
+    if (M == 1 && mw_q8_gemv_i8(x, K, G, codes, s, c, y, N, half)) return;
+    if (tiles_pay(M) && q8_gemm_tiles(x, M, K, G, codes, s, c, y, N, half)) return;
+    if (mw_q8_gemm_i16(x, M, K, G, codes, s, c, y, N, half)) return;
+    f32_tables t = tables_f32(s, c, N * (K / G), half);
+    q8_gemm_exact(x, M, K, G, codes, t.s, t.c, y, N);
+    free_tables(&t);
+}
+
 /* Many tokens (prefill): tiles of MAXM tokens, a tile per thread at a time, each tile through
    every output row with the same row kernels (its x packed, K-blocked for L1). The layer's
    quantized weights (a few MB) are re-read from cache once per tile, which is cheaper than the
    float copy BLAS needs: 1.2-1.6x dequantize + fp32 BLAS on a 2048-token prefill, and no
    [N, K] float buffer. Return 0 where there is no AVX-512 (the caller then uses BLAS). */
-int q4_gemm_tiles(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* s,
-                  const float* c, float* y, int64_t N) {
+int q4_gemm_tiles(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s,
+                  const void* c, float* y, int64_t N, int half) {
 #if defined(__AVX512F__)
     if (nothing_to_do(M, K, y, N)) return 1;
-    return gemm_tiles(1, x, M, K, 32, codes, s, c, y, N);
+    f32_tables t = tables_f32(s, c, N * (K / 32), half);
+    const int ok = gemm_tiles(1, x, M, K, 32, codes, t.s, t.c, y, N);
+    free_tables(&t);
+    return ok;
 #else
-    (void)x; (void)M; (void)K; (void)codes; (void)s; (void)c; (void)y; (void)N;
+    (void)x; (void)M; (void)K; (void)codes; (void)s; (void)c; (void)y; (void)N; (void)half;
     return 0;
 #endif
 }
 
 int q8_gemm_tiles(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
-                  const float* s, const float* c, float* y, int64_t N) {
+                  const void* s, const void* c, float* y, int64_t N, int half) {
 #if defined(__AVX512F__)
     if (nothing_to_do(M, K, y, N)) return 1;
-    return gemm_tiles(0, x, M, K, G, codes, s, c, y, N);
+    f32_tables t = tables_f32(s, c, N * (K / G), half);
+    const int ok = gemm_tiles(0, x, M, K, G, codes, t.s, t.c, y, N);
+    free_tables(&t);
+    return ok;
 #else
-    (void)x; (void)M; (void)K; (void)G; (void)codes; (void)s; (void)c; (void)y; (void)N;
+    (void)x; (void)M; (void)K; (void)G; (void)codes; (void)s; (void)c; (void)y; (void)N; (void)half;
     return 0;
 #endif
 }
 
 /* the weights as float32 [N, K], for large batches (then a BLAS matmul) */
-void q4_dequant(const uint8_t* codes, const float* s, const float* c, float* w, int64_t N, int64_t K) {
+void q4_dequant(const uint8_t* codes, const void* s16, const void* c16, float* w, int64_t N,
+                int64_t K, int half) {
+    f32_tables t = tables_f32(s16, c16, N * (K / 32), half);
+    const float *s = t.s, *c = t.c;
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
         for (int64_t b = 0; b < K / 32; b++) {
@@ -437,12 +477,16 @@ void q4_dequant(const uint8_t* codes, const float* s, const float* c, float* w, 
                 o[j + 16] = (float)(q[j] >> 4) * sb + cb;
             }
         }
+    free_tables(&t);
 }
 
-void q8_dequant(const int8_t* codes, const float* s, const float* c, float* w, int64_t N,
-                int64_t K, int64_t G) {
+void q8_dequant(const int8_t* codes, const void* s16, const void* c16, float* w, int64_t N,
+                int64_t K, int64_t G, int half) {
+    f32_tables t = tables_f32(s16, c16, N * (K / G), half);
+    const float *s = t.s, *c = t.c;
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
         for (int64_t k = 0; k < K; k++)
             w[n * K + k] = (float)codes[n * K + k] * s[n * (K / G) + k / G] + c[n * (K / G) + k / G];
+    free_tables(&t);
 }

@@ -6,6 +6,7 @@
  * float weight is written twice.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
@@ -27,8 +28,12 @@ void mw_split_bf16(const float* x, int64_t n, float* hi, float* lo) {
     for (int64_t i = 0; i < n; i++) split_one(x[i], hi + i, lo + i);
 }
 
-void mw_q4_dequant_split(const uint8_t* codes, const float* s, const float* c, float* hi,
-                         float* lo, int64_t N, int64_t K) {
+void mw_q4_dequant_split(const uint8_t* codes, const void* s16, const void* c16, float* hi,
+                         float* lo, int64_t N, int64_t K, int half) {
+    float *own_s, *own_c;
+    const float* s = mw_table_f32(s16, half, N * (K / 32), &own_s);
+    const float* c = mw_table_f32(c16, half, N * (K / 32), &own_c);
+    if (!s || !c) { free(own_s); free(own_c); abort(); }  /* out of memory */
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
         for (int64_t b = 0; b < K / 32; b++) {
@@ -40,14 +45,22 @@ void mw_q4_dequant_split(const uint8_t* codes, const float* s, const float* c, f
                 split_one((float)(q[j] >> 4) * sb + cb, hi + o + j + 16, lo + o + j + 16);
             }
         }
+    free(own_s);
+    free(own_c);
 }
 
-void mw_q8_dequant_split(const int8_t* codes, const float* s, const float* c, float* hi,
-                         float* lo, int64_t N, int64_t K, int64_t G) {
+void mw_q8_dequant_split(const int8_t* codes, const void* s16, const void* c16, float* hi,
+                         float* lo, int64_t N, int64_t K, int64_t G, int half) {
+    float *own_s, *own_c;
+    const float* s = mw_table_f32(s16, half, N * (K / G), &own_s);
+    const float* c = mw_table_f32(c16, half, N * (K / G), &own_c);
+    if (!s || !c) { free(own_s); free(own_c); abort(); }  /* out of memory */
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
         for (int64_t k = 0; k < K; k++) {
             const int64_t g = n * (K / G) + k / G;
             split_one((float)codes[n * K + k] * s[g] + c[g], hi + n * K + k, lo + n * K + k);
         }
+    free(own_s);
+    free(own_c);
 }
