@@ -54,6 +54,11 @@ def _prefill_one(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out
     k = _gather(k_cache, table, seq_len)  # [seq_len, kv_heads, head_dim]
     v = _gather(v_cache, table, seq_len)
     q_len = end - start
+    if q_len == seq_len:  # the whole sequence: plain causal attention, which lets the kernel
+        # skip the masked half of the score blocks (an explicit mask costs it all of them)
+        out[start:end] = _sdpa(q[start:end].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                               None, scale)[0]
+        return
     # Query i sits at position seq_len - q_len + i and sees keys 0..that position.
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)  # [q_len, 1]
     mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos  # [q_len, seq_len]
@@ -89,12 +94,15 @@ def _decode_keys(cache: torch.Tensor, batch) -> torch.Tensor:
     return _gather(cache, batch.block_tables, batch.max_len)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
-    """q: [B, q_len, heads, D]; k, v: [B, kv_len, kv_heads, D]; mask: [B, q_len, kv_len] bool."""
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+          scale: float):
+    """q: [B, q_len, heads, D]; k, v: [B, kv_len, kv_heads, D]; mask: [B, q_len, kv_len] bool,
+    or None for causal attention with q_len == kv_len."""
     q_t, k_t, v_t = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, len, D]
     # grouped-query attention: each KV head serves heads / kv_heads queries, read in place
     # (repeating K/V for every query head cost a copy of the context per layer, ~15% of it)
     o = F.scaled_dot_product_attention(q_t, k_t.to(q.dtype), v_t.to(q.dtype),
-                                       attn_mask=mask.unsqueeze(1), scale=scale,
+                                       attn_mask=None if mask is None else mask.unsqueeze(1),
+                                       is_causal=mask is None, scale=scale,
                                        enable_gqa=k.shape[2] != q.shape[2])
     return o.transpose(1, 2)  # [B, q_len, heads, D]
