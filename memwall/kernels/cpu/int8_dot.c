@@ -153,6 +153,10 @@ static inline float q8_row_i8(const int8_t* codes, const float* s, const float* 
 #endif
 
 #ifdef MW_VNNI
+/* rows a thread takes at once: enough that short rows' fp16 scales are widened in one span,
+   one where a row alone has plenty (a bound on the stack buffers below) */
+static inline int64_t rows_per_run(int64_t groups) { return groups < 128 ? 16 : 1; }
+
 /* One token quantized for the int8 kernels, in one allocation (free with free(t.hi)). */
 typedef struct { int8_t *hi, *lo; float *dlane, *gsum; int32_t* xcorr; } qtoken;
 
@@ -178,11 +182,18 @@ int mw_q4_gemv_i8(const float* x, int64_t K, const uint8_t* codes, const void* s
     if (N <= 0) return 1;  /* nothing to compute */
     if (!mw_int_acts || K <= 0 || K % 64 || !quantize_token(x, K, 1, 32, &t)) return 0;
     const int64_t nb = K / 32;
+    /* runs of rows: their fp16 scales are one contiguous span, widened at once (row by row,
+       converting 18 values cost a good part of a 576-wide row's work) */
+    const int64_t run = rows_per_run(nb);
     #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        float sbuf[nb], cbuf[nb];  /* fp16 scales widened (unused for float32 ones) */
-        y[n] = q4_row_i8(codes + n * (K / 2), mw_scales_f32(s, half, n * nb, nb, sbuf),
-                         mw_scales_f32(c, half, n * nb, nb, cbuf), K, t.hi, t.lo, t.dlane, t.gsum);
+    for (int64_t n0 = 0; n0 < N; n0 += run) {
+        const int64_t rows = N - n0 < run ? N - n0 : run;
+        float sbuf[run * nb], cbuf[run * nb];  /* unused for float32 scales */
+        const float* sr = mw_scales_f32(s, half, n0 * nb, rows * nb, sbuf);
+        const float* cr = mw_scales_f32(c, half, n0 * nb, rows * nb, cbuf);
+        for (int64_t r = 0; r < rows; r++)
+            y[n0 + r] = q4_row_i8(codes + (n0 + r) * (K / 2), sr + r * nb, cr + r * nb, K, t.hi,
+                                  t.lo, t.dlane, t.gsum);
     }
     free(t.hi);
     return 1;
@@ -201,12 +212,16 @@ int mw_q8_gemv_i8(const float* x, int64_t K, int64_t G, const int8_t* codes, con
         !quantize_token(x, K, 0, G, &t))
         return 0;
     const int64_t ng = K / G;
+    const int64_t run = rows_per_run(ng);
     #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        float sbuf[ng], cbuf[ng];
-        y[n] = q8_row_i8(codes + n * K, mw_scales_f32(s, half, n * ng, ng, sbuf),
-                         mw_scales_f32(c, half, n * ng, ng, cbuf), K, G, t.hi, t.lo, t.dlane,
-                         t.gsum, t.xcorr);
+    for (int64_t n0 = 0; n0 < N; n0 += run) {
+        const int64_t rows = N - n0 < run ? N - n0 : run;
+        float sbuf[run * ng], cbuf[run * ng];
+        const float* sr = mw_scales_f32(s, half, n0 * ng, rows * ng, sbuf);
+        const float* cr = mw_scales_f32(c, half, n0 * ng, rows * ng, cbuf);
+        for (int64_t r = 0; r < rows; r++)
+            y[n0 + r] = q8_row_i8(codes + (n0 + r) * K, sr + r * ng, cr + r * ng, K, G, t.hi,
+                                  t.lo, t.dlane, t.gsum, t.xcorr);
     }
     free(t.hi);
     return 1;

@@ -127,9 +127,14 @@ static inline float mw_half_to_float(uint16_t h) {
 /* n halves -> floats (F16C where the build has it) */
 static inline void mw_halves_to_floats(const uint16_t* src, float* dst, int64_t n) {
     int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src + i))));
+#endif
 #if defined(__F16C__) && defined(__AVX__)
     for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
+    for (; i < n; i++) dst[i] = _cvtsh_ss(src[i]);
 #endif
     for (; i < n; i++) dst[i] = mw_half_to_float(src[i]);
 }
