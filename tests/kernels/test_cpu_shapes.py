@@ -19,22 +19,16 @@ from memwall.kernels.cpu import build, quant_ops
 from memwall.kernels.cpu.decode import NativeDecoder, paged_decode_attention
 
 pytestmark = pytest.mark.skipif(not build.available(), reason="no C compiler: native kernels not built")
-ISAS = ["native", "avx2", "baseline"]
 TOKENS = [0, 1, 2, 15, 16, 17, 33, 2048, 2049]  # around the 16-token tile and the step budget
 
 
-@pytest.fixture(params=ISAS)
-def isa(request, monkeypatch):
-    """The kernels of one instruction-set build stand in for this CPU's (``build.lib``)."""
-    if not build.runs_here(request.param):
-        pytest.skip(f"this CPU cannot run the {request.param} build")
-    try:
-        cdll = build.library(request.param)
-    except build.BuildError as e:
-        pytest.skip(str(e))
-    monkeypatch.setattr(build, "lib", lambda: cdll)
-    cdll.mw_set_int_acts(0)  # exact fp32 kernels; the integer ones are tested below
-    yield request.param
+@pytest.fixture
+def isa(isa_library):
+    """The kernels of one instruction-set build stand in for this CPU's (conftest.py), on their
+    exact fp32 paths; the integer ones are tested below."""
+    name, cdll = isa_library
+    cdll.mw_set_int_acts(0)
+    yield name
     cdll.mw_set_int_acts(1)
 
 

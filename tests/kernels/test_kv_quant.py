@@ -14,23 +14,15 @@ from memwall.kernels.cpu import build
 from memwall.kernels.cpu.decode import NativeDecoder, kv_write, paged_decode_attention
 
 pytestmark = pytest.mark.skipif(not build.available(), reason="no C compiler: native kernels not built")
-ISAS = ["native", "avx2", "baseline"]
 FORMATS = ["fp32", "fp16", "bf16", "int8", "fp8"]
 # relative error of attention over a format's values against float32 ones (unit-normal data)
 LOSSY = {"fp32": 1e-6, "fp16": 2e-3, "bf16": 1.5e-2, "int8": 2e-2, "fp8": 6e-2}
 
 
-@pytest.fixture(params=ISAS)
-def isa(request, monkeypatch):
-    """The kernels of one instruction-set build stand in for this CPU's (``build.lib``)."""
-    if not build.runs_here(request.param):
-        pytest.skip(f"this CPU cannot run the {request.param} build")
-    try:
-        cdll = build.library(request.param)
-    except build.BuildError as e:
-        pytest.skip(str(e))
-    monkeypatch.setattr(build, "lib", lambda: cdll)
-    return request.param
+@pytest.fixture
+def isa(isa_library):
+    """The kernels of one instruction-set build stand in for this CPU's (conftest.py)."""
+    return isa_library[0]
 
 
 def _cache(shape, name: str) -> torch.Tensor:
