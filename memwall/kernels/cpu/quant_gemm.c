@@ -9,9 +9,12 @@
  * Two layouts, both row-major, blocks along the input dimension K:
  *
  *     q4: codes uint8 [N, K/2]   32-value block = 16 bytes: byte j = q[j] | q[j+16] << 4
- *         s, c float32 [N, K/32] w = s * q + c,  q in 0..15
- *     q8: codes int8 [N, K]      s, c float32 [N, K/G], G a multiple of 16 dividing K
+ *         s, c [N, K/32]         w = s * q + c,  q in 0..15
+ *     q8: codes int8 [N, K]      s, c [N, K/G], G a multiple of 16 dividing K
  *                                w = s * q + c
+ *
+ * s and c are float32, or float16 when the caller passes half = 1 (kernels.h): the exact
+ * kernels below read float32 and get a widened copy of the tables (tables_f32).
  *
  * q4_gemm and q8_gemm are the exact kernels only while integer activations are switched off
  * (mw_set_int_acts(0)); otherwise they hand the work to int_gemm.c (int8_dot.c for one token
