@@ -20,6 +20,7 @@
 #define MEMWALL_KERNELS_H
 
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
@@ -108,20 +109,29 @@ int mw_kv_write(const float* x, int64_t n, const int64_t* slots, int64_t num_slo
 
 /* ------------------------------------------------------------------ shared vector helpers */
 
+static inline float mw_bits_to_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t mw_float_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
 /* IEEE half -> float, exact (subnormals, inf and NaN included) */
 static inline float mw_half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, em = h & 0x7FFF;
-    uint32_t bits;
-    if (em >= 0x7C00) bits = sign | 0x7F800000 | ((em & 0x3FF) << 13);
-    else if (em >= 0x400) bits = sign | ((em << 13) + (112u << 23));
-    else {
-        const float sub = (float)em * 5.9604644775390625e-8f;  /* 2^-24 */
-        memcpy(&bits, &sub, 4);
-        bits |= sign;
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
+    if (em >= 0x7C00) return mw_bits_to_float(sign | 0x7F800000 | ((em & 0x3FF) << 13));
+    if (em >= 0x400) return mw_bits_to_float(sign | ((em << 13) + (112u << 23)));
+    return mw_bits_to_float(sign | mw_float_to_bits((float)em * 5.9604644775390625e-8f));  /* 2^-24 */
+}
+
+static inline float mw_bf16_to_float(uint16_t h) { return mw_bits_to_float((uint32_t)h << 16); }
+
+/* f rounded to bf16 (nearest even), as a float; a NaN stays a (quiet) NaN */
+static inline float mw_round_bf16(float f) {
+    const uint32_t u = mw_float_to_bits(f);
+    const uint32_t bits = (u & 0x7FFFFFFFu) > 0x7F800000u ? u | 0x400000u  /* NaN */
+                                                          : u + 0x7FFFu + ((u >> 16) & 1u);
+    return mw_bits_to_float(bits & 0xFFFF0000u);
+}
+
+static inline uint16_t mw_float_to_bf16(float f) {
+    return (uint16_t)(mw_float_to_bits(mw_round_bf16(f)) >> 16);
 }
 
 /* n halves -> floats (F16C where the build has it) */
@@ -150,17 +160,30 @@ static inline const float* mw_scales_f32(const void* table, int half, int64_t fi
     return buf;
 }
 
-/* A whole float32 copy of a half table (the exact kernels and the dequantizers, which are not
- * where decode spends its time), or the table itself; *owned is what to free (NULL: nothing).
- * NULL when out of memory. */
-static inline const float* mw_table_f32(const void* table, int half, int64_t count, float** owned) {
-    *owned = NULL;
-    if (!half) return (const float*)table;
+/* float32 views of a weight's whole scale and offset tables (the exact kernels, the tiles and
+ * the dequantizers, which are not where decode spends its time): the tables themselves when
+ * float32, else widened copies, freed by mw_free_tables. Out of memory stops the process with
+ * a message: a kernel must not return a result it never wrote. */
+typedef struct { const float *s, *c; float *own_s, *own_c; } mw_f32_tables;
+
+static inline float* mw_widened(const void* table, int64_t count) {
     float* copy = (float*)malloc(sizeof(float) * (size_t)(count > 0 ? count : 1));
-    if (copy) mw_halves_to_floats((const uint16_t*)table, copy, count);
-    *owned = copy;
+    if (!copy) {
+        fprintf(stderr, "memwall: a float32 copy of fp16 scales could not allocate %zu bytes\n",
+                sizeof(float) * (size_t)count);
+        abort();
+    }
+    mw_halves_to_floats((const uint16_t*)table, copy, count);
     return copy;
 }
+
+static inline mw_f32_tables mw_tables_f32(const void* s, const void* c, int64_t count, int half) {
+    mw_f32_tables t = {(const float*)s, (const float*)c, NULL, NULL};
+    if (half) t.s = t.own_s = mw_widened(s, count), t.c = t.own_c = mw_widened(c, count);
+    return t;
+}
+
+static inline void mw_free_tables(mw_f32_tables* t) { free(t->own_s); free(t->own_c); }
 
 static inline float dot_f32(const float* a, const float* b, int64_t n) {
     int64_t i = 0;

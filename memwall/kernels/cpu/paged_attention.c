@@ -58,34 +58,16 @@ static int64_t kv_elem_size(int kt) {
     return kt == MW_KV_F32 ? 4 : (kt == MW_KV_F16 || kt == MW_KV_BF16) ? 2 : 1;
 }
 
-static inline float bits_to_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-static inline uint32_t float_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-
-static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, em = h & 0x7FFF;
-    if (em >= 0x7C00) return bits_to_float(sign | 0x7F800000 | ((em & 0x3FF) << 13));
-    if (em >= 0x400) return bits_to_float(sign | ((em << 13) + (112u << 23)));
-    return bits_to_float(sign | float_to_bits((float)em * 5.9604644775390625e-8f));  /* 2^-24 */
-}
-
 /* round to nearest even, saturating at +-65504 (as kv_quant.py clamps before converting) */
 static inline uint16_t float_to_half(float f) {
-    const uint16_t sign = (uint16_t)((float_to_bits(f) >> 16) & 0x8000);
+    const uint16_t sign = (uint16_t)((mw_float_to_bits(f) >> 16) & 0x8000);
     float a = fabsf(f);
     if (a != a) return sign | 0x7E00;
     if (a > 65504.f) a = 65504.f;
     if (a < 6.103515625e-05f) return sign | (uint16_t)nearbyintf(a * 16777216.f);  /* subnormal */
-    uint32_t u = float_to_bits(a);
+    uint32_t u = mw_float_to_bits(a);
     u += 0xFFF + ((u >> 13) & 1);
     return sign | (uint16_t)((((u >> 23) - 112) << 10) | ((u >> 13) & 0x3FF));
-}
-
-static inline float bf16_to_float(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
-
-static inline uint16_t float_to_bf16(float f) {
-    const uint32_t u = float_to_bits(f);
-    if (f != f) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
 static float fp8_table[256];  /* e4m3fn byte -> float, filled when the library loads */
@@ -100,12 +82,12 @@ __attribute__((constructor)) static void fill_fp8_table(void) {
 
 /* round to nearest even, saturating at +-448 (e4m3fn has no infinity) */
 static inline uint8_t float_to_fp8(float f) {
-    const uint8_t sign = (uint8_t)((float_to_bits(f) >> 24) & 0x80);
+    const uint8_t sign = (uint8_t)((mw_float_to_bits(f) >> 24) & 0x80);
     float a = fabsf(f);
     if (a != a) return sign | 0x7F;
     if (a >= 448.f) return sign | 0x7E;
     if (a < 0.015625f) return sign | (uint8_t)nearbyintf(a * 512.f);  /* subnormal: m * 2^-9 */
-    uint32_t u = float_to_bits(a);
+    uint32_t u = mw_float_to_bits(a);
     u += 0x7FFFF + ((u >> 20) & 1);
     return sign | (uint8_t)((((u >> 23) - 120) << 3) | ((u >> 20) & 7));
 }
@@ -113,8 +95,8 @@ static inline uint8_t float_to_fp8(float f) {
 /* element i of a cache row as float (int8: the code; its scale is applied by the caller) */
 MW_INLINE float kv_get(const void* row, int64_t i, int kt) {
     switch (kt) {
-    case MW_KV_F16: return half_to_float(((const uint16_t*)row)[i]);
-    case MW_KV_BF16: return bf16_to_float(((const uint16_t*)row)[i]);
+    case MW_KV_F16: return mw_half_to_float(((const uint16_t*)row)[i]);
+    case MW_KV_BF16: return mw_bf16_to_float(((const uint16_t*)row)[i]);
     case MW_KV_I8: return (float)((const int8_t*)row)[i];
     case MW_KV_FP8: return fp8_table[((const uint8_t*)row)[i]];
     default: return ((const float*)row)[i];
@@ -337,7 +319,7 @@ static void write_row(const float* x, int64_t D, int kt, void* dst, float* scale
         break;
     }
     case MW_KV_BF16:
-        for (int64_t i = 0; i < D; i++) ((uint16_t*)dst)[i] = float_to_bf16(x[i]);
+        for (int64_t i = 0; i < D; i++) ((uint16_t*)dst)[i] = mw_float_to_bf16(x[i]);
         break;
     case MW_KV_FP8:
         for (int64_t i = 0; i < D; i++) ((uint8_t*)dst)[i] = float_to_fp8(x[i]);

@@ -14,7 +14,7 @@
  *                                w = s * q + c
  *
  * s and c are float32, or float16 when the caller passes half = 1 (kernels.h): the exact
- * kernels below read float32 and get a widened copy of the tables (tables_f32).
+ * kernels below read float32 and get a widened copy of the tables (mw_tables_f32).
  *
  * q4_gemm and q8_gemm are the exact kernels only while integer activations are switched off
  * (mw_set_int_acts(0)); otherwise they hand the work to int_gemm.c (int8_dot.c for one token
@@ -146,28 +146,13 @@ static float* pack_x16(const float* x, int64_t M, int64_t K) {
     return xp;
 }
 
-#endif
-
-/* A kernel that cannot get its scratch (up to 16 tokens of x, or a float32 copy of fp16
-   scales) must not return a y it never wrote: stop with a message (the process is out of
-   memory; torch fails at its next step). */
+/* A kernel that cannot get its scratch (up to 16 tokens of x) must not return a y it never
+   wrote: stop with a message (the process is out of memory; torch fails at its next step). */
 static void out_of_memory(const char* where, size_t bytes) {
     fprintf(stderr, "memwall: %s could not allocate %zu bytes\n", where, bytes);
     abort();
 }
-
-/* float32 views of a weight's scale tables for the kernels that read whole tables */
-typedef struct { const float *s, *c; float *own_s, *own_c; } f32_tables;
-
-static f32_tables tables_f32(const void* s, const void* c, int64_t count, int half) {
-    f32_tables t;
-    t.s = mw_table_f32(s, half, count, &t.own_s);
-    t.c = mw_table_f32(c, half, count, &t.own_c);
-    if (!t.s || !t.c) out_of_memory("a float32 copy of fp16 scales", (size_t)count * 8);
-    return t;
-}
-
-static void free_tables(f32_tables* t) { free(t->own_s); free(t->own_c); }
+#endif
 
 /* Several tokens go through K in blocks small enough that their slice of x stays in L1
    while every weight row streams past it: for a down projection (K = 1536) 16 tokens' x is
@@ -189,8 +174,6 @@ static int nothing_to_do(int64_t M, int64_t K, float* y, int64_t N) {
     return K <= 0;
 }
 
-/* y[m, n] = sum_k x[m, k] * (s[n, k/32] * q[n, k] + c[n, k/32]); more than MAXM tokens are
-   taken MAXM at a time */
 /* AVX-512 builds: with a full tile of MAXM tokens for every thread, the fp32 tiles (exact)
  * beat int16 activations, whose 256-bit VNNI rows pay per token (2-core Xeon, Sapphire
  * Rapids, SmolLM2's four projections per layer: 32 tokens 1.1 vs 1.4 ms, 64: 2.1 vs 2.7 ms,
@@ -409,15 +392,17 @@ static int gemm_tiles(int is_q4, const float* x, int64_t M, int64_t K, int64_t G
 }
 #endif
 
+/* y[m, n] = sum_k x[m, k] * (s[n, k/32] * q[n, k] + c[n, k/32]), through the fastest path
+   that takes the shape (one-token VNNI gemv, fp32 tiles, int16 activations, exact kernel) */
 void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s,
              const void* c, float* y, int64_t N, int half) {
     if (nothing_to_do(M, K, y, N)) return;
     if (M == 1 && mw_q4_gemv_i8(x, K, codes, s, c, y, N, half)) return;  /* AVX-512 VNNI gemv */
     if (tiles_pay(M) && q4_gemm_tiles(x, M, K, codes, s, c, y, N, half)) return;
     if (mw_q4_gemm_i16(x, M, K, codes, s, c, y, N, half)) return;        /* int16 activations */
-    f32_tables t = tables_f32(s, c, N * (K / 32), half);
+    mw_f32_tables t = mw_tables_f32(s, c, N * (K / 32), half);
     q4_gemm_exact(x, M, K, codes, t.s, t.c, y, N);
-    free_tables(&t);
+    mw_free_tables(&t);
 }
 
 void q8_gemm(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
@@ -426,9 +411,9 @@ void q8_gemm(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* code
     if (M == 1 && mw_q8_gemv_i8(x, K, G, codes, s, c, y, N, half)) return;
     if (tiles_pay(M) && q8_gemm_tiles(x, M, K, G, codes, s, c, y, N, half)) return;
     if (mw_q8_gemm_i16(x, M, K, G, codes, s, c, y, N, half)) return;
-    f32_tables t = tables_f32(s, c, N * (K / G), half);
+    mw_f32_tables t = mw_tables_f32(s, c, N * (K / G), half);
     q8_gemm_exact(x, M, K, G, codes, t.s, t.c, y, N);
-    free_tables(&t);
+    mw_free_tables(&t);
 }
 
 /* Many tokens (prefill): tiles of MAXM tokens, a tile per thread at a time, each tile through
@@ -440,9 +425,9 @@ int q4_gemm_tiles(const float* x, int64_t M, int64_t K, const uint8_t* codes, co
                   const void* c, float* y, int64_t N, int half) {
 #if defined(__AVX512F__)
     if (nothing_to_do(M, K, y, N)) return 1;
-    f32_tables t = tables_f32(s, c, N * (K / 32), half);
+    mw_f32_tables t = mw_tables_f32(s, c, N * (K / 32), half);
     const int ok = gemm_tiles(1, x, M, K, 32, codes, t.s, t.c, y, N);
-    free_tables(&t);
+    mw_free_tables(&t);
     return ok;
 #else
     (void)x; (void)M; (void)K; (void)codes; (void)s; (void)c; (void)y; (void)N; (void)half;
@@ -454,9 +439,9 @@ int q8_gemm_tiles(const float* x, int64_t M, int64_t K, int64_t G, const int8_t*
                   const void* s, const void* c, float* y, int64_t N, int half) {
 #if defined(__AVX512F__)
     if (nothing_to_do(M, K, y, N)) return 1;
-    f32_tables t = tables_f32(s, c, N * (K / G), half);
+    mw_f32_tables t = mw_tables_f32(s, c, N * (K / G), half);
     const int ok = gemm_tiles(0, x, M, K, G, codes, t.s, t.c, y, N);
-    free_tables(&t);
+    mw_free_tables(&t);
     return ok;
 #else
     (void)x; (void)M; (void)K; (void)G; (void)codes; (void)s; (void)c; (void)y; (void)N; (void)half;
@@ -467,7 +452,7 @@ int q8_gemm_tiles(const float* x, int64_t M, int64_t K, int64_t G, const int8_t*
 /* the weights as float32 [N, K], for large batches (then a BLAS matmul) */
 void q4_dequant(const uint8_t* codes, const void* s16, const void* c16, float* w, int64_t N,
                 int64_t K, int half) {
-    f32_tables t = tables_f32(s16, c16, N * (K / 32), half);
+    mw_f32_tables t = mw_tables_f32(s16, c16, N * (K / 32), half);
     const float *s = t.s, *c = t.c;
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
@@ -480,16 +465,16 @@ void q4_dequant(const uint8_t* codes, const void* s16, const void* c16, float* w
                 o[j + 16] = (float)(q[j] >> 4) * sb + cb;
             }
         }
-    free_tables(&t);
+    mw_free_tables(&t);
 }
 
 void q8_dequant(const int8_t* codes, const void* s16, const void* c16, float* w, int64_t N,
                 int64_t K, int64_t G, int half) {
-    f32_tables t = tables_f32(s16, c16, N * (K / G), half);
+    mw_f32_tables t = mw_tables_f32(s16, c16, N * (K / G), half);
     const float *s = t.s, *c = t.c;
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
         for (int64_t k = 0; k < K; k++)
             w[n * K + k] = (float)codes[n * K + k] * s[n * (K / G) + k / G] + c[n * (K / G) + k / G];
-    free_tables(&t);
+    mw_free_tables(&t);
 }
