@@ -27,7 +27,6 @@ from memwall.attention.metadata import (AttentionMetadata, CpuAttentionMetadata,
 
 BACKENDS = ("torch", "cpu", "triton")
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
 
 
 class AttentionBackend(ABC):
@@ -156,5 +155,6 @@ def _native_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, o
 
 
 def to_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
-    """Saturating conversion: out-of-range values become +-448 (never NaN), on every device."""
-    return x.clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    """Saturating conversion: out-of-range values become +-448 (never NaN), on every device
+    (kv_quant.quantize, which every KV format goes through)."""
+    return kv_quant.quantize(x, dtype)[0]

@@ -9,8 +9,8 @@ a = hi + lo with hi = bf16(a) and lo = a - hi (split_bf16.c), and
 
 three bf16 products with fp32 accumulation and an fp32 result: torch's fp32 ``F.linear`` in
 oneDNN's bf16 math mode (``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``), fed values
-bf16 holds exactly (lo is rounded once more, to ~2^-17 of a). Relative error ~5e-6 against float64 (the int16
-activations of int_gemm.c: ~2e-5).
+bf16 holds exactly (lo is rounded once more, to ~2^-17 of a). Relative error ~5e-6 against
+float64 (the int16 activations of int_gemm.c: ~2e-5).
 
 The weight is rebuilt from its codes for every call (8 bytes a value, never kept), which is why
 this pays only past MIN_TOKENS tokens: prefill chunks, not decode.
@@ -37,7 +37,8 @@ logger = logging.getLogger("memwall")
 
 # Below this many tokens the integer and fp32 tile kernels win: rebuilding the weight (8 bytes
 # a value) costs more than the faster products save. Measured on a 2-core Xeon (Sapphire
-# Rapids, AMX), SmolLM2 shapes: see benchmarks/amx_prefill.py.
+# Rapids, AMX), SmolLM2's four projections of a layer, split bf16 vs fp32 tiles: 128 tokens
+# 4.3 vs 4.2 ms, 256: 6.6 vs 8.5 ms, 512: 11.4 vs 17.1 ms.
 MIN_TOKENS = 129
 PROBE_SHAPE = (512, 1024, 1024)  # tokens, K, N: a prefill chunk's projection
 PROBE_MIN_SPEEDUP = 1.2

@@ -196,18 +196,6 @@ def _cache_ptrs(cache: torch.Tensor) -> tuple[int, int | None]:
     return cache.data_ptr(), _ptr(scales)
 
 
-def _declared(name: str, argtypes: list) -> ctypes._CFuncPtr:
-    """``name`` of the engine's library with its ctypes signature (kernels.h) set."""
-    fn = getattr(build.require(), name)
-    fn.restype, fn.argtypes = _i32, argtypes
-    return fn
-
-
-_ATTENTION_ARGS = [_p, _p, _p, _p, _p, _i32, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _i64,
-                   _f32, _p]
-_WRITE_ARGS = [_p, _i64, _p, _i64, _i64, _i64, _i32, _p, _p]
-
-
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
                            ) -> torch.Tensor:
@@ -237,7 +225,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     q = q.contiguous()
     tables, lens = _indices(block_tables, "block_tables", b, 2), _indices(seq_lens, "seq_lens", b)
-    rc = _declared("mw_paged_decode_attention_kv", _ATTENTION_ARGS)(
+    rc = build.require().mw_paged_decode_attention_kv(
         q.data_ptr(), k_ptr, v_ptr, ks_ptr, vs_ptr, kv_quant.NATIVE_CODES[k_cache.dtype],
         tables.data_ptr(), tables.shape[1], lens.data_ptr(), b, h, kv_heads, d, block_size,
         num_blocks, scale, out.data_ptr())
@@ -257,7 +245,7 @@ def kv_write(cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
         raise ValueError(f"kv_write cannot write {e}") from e
     x = x.float().contiguous()
     slots = _indices(slots, "slots", n)
-    rc = _declared("mw_kv_write", _WRITE_ARGS)(
+    rc = build.require().mw_kv_write(
         x.data_ptr(), n, slots.data_ptr(), cache.shape[0] * cache.shape[1], kv_heads, d,
         kv_quant.NATIVE_CODES[cache.dtype], ptr, scales)
     build.raise_for(rc, "kv_write")
