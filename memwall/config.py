@@ -114,6 +114,8 @@ class SchedulerConfig:
     """fcfs, or priority (lower SamplingParams.priority first, then arrival)."""
     preemption_mode: str = "recompute"
     """recompute (free the blocks, redo the prefill later) or swap (move them to host memory)."""
+    max_spec_batch: int | None = None
+    """Speculation: draft tokens are scheduled only while at most this many sequences run."""
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -124,6 +126,64 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+SPEC_METHODS = ("ngram", "draft_model", "eagle")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (memwall/spec_decode/): vLLM's ``speculative_config`` keys."""
+
+    method: str = "ngram"
+    """ngram (prompt lookup), draft_model or eagle."""
+    num_speculative_tokens: int = 4
+    """Most draft tokens a sequence verifies per step (k)."""
+    prompt_lookup_max: int = 4
+    """ngram: the longest suffix of the sequence matched against its earlier tokens."""
+    prompt_lookup_min: int = 2
+    """ngram: the shortest suffix that may produce a draft."""
+    model: str | None = None
+    """draft_model / eagle: the drafter's GGUF file or Hugging Face directory."""
+    disable_by_batch_size: int | None = None
+    """With more running sequences than this, no sequence drafts (verification stops paying)."""
+    adaptive: bool = True
+    """Per sequence, shrink k while drafts are rejected and stop drafting where it does not pay."""
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPEC_METHODS)}, got "
+                             f"{self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in 1..16, got "
+                             f"{self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+        if self.method != "ngram" and not self.model:
+            raise ValueError(f"speculative method {self.method!r} needs \"model\": the drafter's path")
+
+    @classmethod
+    def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """From a JSON object (the CLI's --speculative-config) or a dict (``LLM(...)``)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative config is not valid JSON ({e.msg}): {value!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config key(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(known))}")
+        return cls(**value)
 
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -207,6 +267,10 @@ class EngineArgs:
                                        "one byte; values clamped to +-448, no scale)")
     enforce_eager: bool = _arg(False, "cuda: run decode steps eagerly instead of replaying "
                                       "captured CUDA graphs")
+    speculative_config: str | dict | None = _arg(
+        None, "speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", "
+              "\"num_speculative_tokens\": 4}' (keys: method, num_speculative_tokens, "
+              "prompt_lookup_max, prompt_lookup_min, model, disable_by_batch_size, adaptive)")
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -221,6 +285,10 @@ class EngineArgs:
                              f"{self.kv_cache_dtype!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        self.speculative()  # a bad speculative config fails here, before a model loads
+
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def cache_config(self) -> CacheConfig:
         swap = self.swap_space if self.preemption_mode == "swap" else 0
@@ -235,7 +303,14 @@ class EngineArgs:
                                max_num_seqs=self.max_num_seqs, max_model_len=max_len,
                                enable_chunked_prefill=self.enable_chunked_prefill,
                                scheduling_policy=self.scheduling_policy,
-                               preemption_mode=self.preemption_mode)
+                               preemption_mode=self.preemption_mode,
+                               max_spec_batch=self._max_spec_batch())
+
+    def _max_spec_batch(self) -> int | None:
+        spec = self.speculative()
+        if spec is None:
+            return 0  # no drafts are ever scheduled
+        return spec.disable_by_batch_size
 
     def device_config(self, cuda_available: bool) -> "DeviceConfig":
         """Resolves ``auto`` for this machine (``cuda_available``: torch.cuda.is_available())."""
@@ -254,4 +329,5 @@ class EngineArgs:
         return [(f.name, f.default, f.metadata.get("help", "")) for f in fields(cls)]
 
 
-__all__ = ["ModelArchConfig", "CacheConfig", "SchedulerConfig", "DeviceConfig", "EngineArgs"]
+__all__ = ["ModelArchConfig", "CacheConfig", "SchedulerConfig", "DeviceConfig", "EngineArgs",
+           "SpeculativeConfig"]

@@ -48,6 +48,23 @@ class RequestMetrics:
     """The first engine step that ran some of its tokens."""
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_draft_tokens: int = 0
+    """Speculative decoding: draft tokens verified for this request (all its samples)."""
+    num_accepted_tokens: int = 0
+    """Of those, accepted."""
+    num_verify_steps: int = 0
+    """Steps that verified drafts for it."""
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens a verifying step yielded on average (accepted drafts + the sampled one)."""
+        if not self.num_verify_steps:
+            return None
+        return 1.0 + self.num_accepted_tokens / self.num_verify_steps
 
     @property
     def time_in_queue(self) -> float | None:

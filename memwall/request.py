@@ -65,6 +65,14 @@ class Request:
     """For n > 1: the other samples, forked from this one when its prompt is done."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Hashes of this request's full blocks of known tokens (grown by the KV manager)."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Draft tokens the worker proposed for the next step (speculative decoding)."""
+    num_draft_tokens: int = 0
+    """Draft tokens verified for this request so far."""
+    num_accepted_tokens: int = 0
+    """Of those, the ones accepted."""
+    num_verify_steps: int = 0
+    """Steps that verified drafts for this request."""
 
     @property
     def num_prompt_tokens(self) -> int:

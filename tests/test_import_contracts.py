@@ -63,6 +63,7 @@ PLANTED = {
     "models-below-engine": ("memwall/models/__init__.py", "memwall.worker"),
     "http-only-in-openai": ("memwall/config.py", "fastapi"),
     "kernels-no-quant": ("memwall/kernels/__init__.py", "memwall.quant"),
+    "spec-decode-below-worker": ("memwall/spec_decode/proposer.py", "memwall.worker"),
 }
 RUN_EACH = """
 import sys

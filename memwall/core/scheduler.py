@@ -14,6 +14,12 @@ prefill later; swap parks its blocks in host memory and brings them back. Either
 n > 1: the extra samples wait as ``fork_children`` of the first; when its prompt is done they
 fork its blocks (sharing them, copy on write) and sample their first token from the same logits.
 
+Speculative decoding: a running request whose only token left to compute is its last one may
+carry draft tokens the worker proposed (``Request.spec_token_ids``). They join its chunk as far
+as the budget, its max_tokens and free blocks allow (drafts never preempt anyone), the worker
+verifies them, and ``update`` appends the accepted ones with the token sampled after them;
+blocks that only rejected drafts filled go back to the pool.
+
 The scheduler plans with live ``Request`` objects (``ScheduledChunk``) and hands the workers
 only plain data (``SchedulerOutput``, memwall/core/step.py): a request's data the first time a
 worker sees it, then deltas. ``Request.worker_*`` fields remember what the workers hold.
@@ -41,6 +47,8 @@ class ScheduledChunk:
     num_tokens: int
     forks: list[Request] = field(default_factory=list)
     """Pending samples (n > 1) that sample their first token from this chunk's last logits."""
+    drafts: list[int] = field(default_factory=list)
+    """Draft tokens verified after the request's last known token (counted in num_tokens)."""
 
     @property
     def end(self) -> int:
@@ -49,7 +57,7 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """True when the chunk reaches the last known token, so the step yields a new token."""
-        return self.end == self.request.num_tokens
+        return self.end - len(self.drafts) == self.request.num_tokens
 
 
 @dataclass
@@ -74,6 +82,11 @@ class _Plan:
 class SchedulerStats:
     num_preemptions_recompute: int = 0
     num_preemptions_swap: int = 0
+    spec_num_draft_tokens: int = 0
+    """Draft tokens verified (speculative decoding)."""
+    spec_num_accepted_tokens: int = 0
+    spec_num_verify_steps: int = 0
+    """Sequence-steps that verified drafts: accepted / steps + 1 is the mean tokens per step."""
 
     @property
     def num_preemptions(self) -> int:
@@ -154,9 +167,25 @@ class Scheduler:
             if request not in self.running:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts = self._drafts(request, num_new, budget)
+            if drafts and not self.kv.allocate_slots(
+                    request, request.num_computed_tokens + num_new + len(drafts)):
+                drafts = []  # no blocks to spare: verify nothing rather than preempt anyone
             if self._reserve(request, num_new, plan):
-                plan.add(self._chunk(request, num_new))
+                plan.add(self._chunk(request, num_new, drafts))
         return self.config.max_num_batched_tokens - plan.num_tokens
+
+    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The request's drafts that this step can verify (they are used once, or dropped)."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        limit = self.config.max_spec_batch
+        if not drafts or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        if limit is not None and len(self.running) > limit:
+            return []
+        # Every accepted draft is an output token, and one more is sampled after them.
+        room = min(budget - num_new, request.max_tokens - request.num_output_tokens - 1)
+        return drafts[:max(0, room)]
 
     def _reserve(self, request: Request, num_new: int, plan: _Plan) -> bool:
         """Makes room for the request's new tokens, preempting victims; False if it lost."""
@@ -206,8 +235,9 @@ class Scheduler:
         reserved = sum(1 + len(r.fork_children) for r in self.running)
         return reserved + 1 + len(request.fork_children) <= self.config.max_num_seqs
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
-        chunk = ScheduledChunk(request, request.num_computed_tokens, num_new)
+    def _chunk(self, request: Request, num_new: int, drafts: list[int] = ()) -> ScheduledChunk:
+        chunk = ScheduledChunk(request, request.num_computed_tokens, num_new + len(drafts),
+                               drafts=list(drafts))
         if chunk.samples and request.fork_children:
             chunk.forks = list(request.fork_children)
         return chunk
@@ -224,6 +254,8 @@ class Scheduler:
         for chunk in plan.chunks:
             request = chunk.request
             out.num_scheduled_tokens[request.request_id] = chunk.num_tokens
+            if chunk.drafts:
+                out.spec_token_ids[request.request_id] = chunk.drafts
             if request.worker_num_tokens == 0 or request.request_id in rewritten:
                 out.new_requests.append(self._new_data(request))
             else:
@@ -250,10 +282,11 @@ class Scheduler:
         new_blocks = table[request.worker_num_blocks:]
         request.worker_num_tokens, request.worker_num_blocks = request.num_tokens, len(table)
         return CachedRequestData(request.request_id, new_tokens, new_blocks,
-                                 request.num_computed_tokens)
+                                 request.num_computed_tokens, len(table))
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        request.spec_token_ids = []
         if self.config.preemption_mode == "swap" and self.kv.can_swap_out(request.request_id):
             self.kv.swap_out(request.request_id)
             request.status = RequestStatus.SWAPPED
@@ -276,16 +309,49 @@ class Scheduler:
             request = chunk.request
             if request.is_finished:
                 continue  # aborted while the step ran
-            request.num_computed_tokens = chunk.end
+            request.num_computed_tokens = chunk.end - len(chunk.drafts)
             self.kv.cache_full_blocks(request)
             if request.request_id in result.prompt_logprobs:
                 request.prompt_logprobs.extend(result.prompt_logprobs[request.request_id])
             touched.extend(self._start_forks(chunk, result))
             sampled = result.sampled.get(request.request_id)
             if sampled is not None:
-                self._append_token(request, sampled.token_id, sampled.logprobs)
+                accepted = self._count_verified(chunk, result)
+                for token in (*accepted, sampled):
+                    self._append_token(request, token.token_id, token.logprobs)
+                    if request.is_finished:
+                        break
                 touched.append(request)
+                if not request.is_finished:
+                    self._after_verify(request, chunk, len(accepted))
+                    request.spec_token_ids = result.draft_token_ids.get(request.request_id, [])
         return touched
+
+    def _count_verified(self, chunk: ScheduledChunk, result: RunnerOutput) -> list:
+        """The drafts the worker accepted (none when the chunk verified none), counted."""
+        if not chunk.drafts:
+            return []
+        accepted = result.accepted_drafts.get(chunk.request.request_id, [])
+        request, stats = chunk.request, self.stats
+        request.num_draft_tokens += len(chunk.drafts)
+        request.num_accepted_tokens += len(accepted)
+        request.num_verify_steps += 1
+        stats.spec_num_draft_tokens += len(chunk.drafts)
+        stats.spec_num_accepted_tokens += len(accepted)
+        stats.spec_num_verify_steps += 1
+        return accepted
+
+    def _after_verify(self, request: Request, chunk: ScheduledChunk, num_accepted: int) -> None:
+        """Accepted drafts' KV is valid (they were computed from the right tokens); the blocks
+        past the request's tokens held only rejected drafts and go back to the pool."""
+        if not chunk.drafts:
+            return
+        request.num_computed_tokens += num_accepted
+        self.kv.cache_full_blocks(request)
+        self.kv.trim(request.request_id, request.num_tokens)
+        # Blocks the workers hold past the trimmed table are stale: resend from there on.
+        request.worker_num_blocks = min(request.worker_num_blocks,
+                                        len(self.kv.block_table(request.request_id)))
 
     def _start_forks(self, chunk: ScheduledChunk, result: RunnerOutput) -> list[Request]:
         """The parent's prompt is done: each pending sample forks its blocks and takes its token."""

@@ -12,6 +12,15 @@ once and then only its deltas do:
 A request that was preempted, or whose block table was rewritten (copy on write), is sent whole
 again. The worker answers with ``RunnerOutput``: the token sampled for every request whose
 scheduled tokens reached the end of its known tokens, plus logprobs where asked.
+
+Speculative decoding adds two things. The worker proposes draft tokens with its answer
+(``RunnerOutput.draft_token_ids``); the scheduler may schedule them the next step after the
+sequence's last token (``SchedulerOutput.spec_token_ids``), and the worker answers with the
+drafts it accepted (``accepted_drafts``) before the token it sampled after them:
+
+    step 5   num_scheduled_tokens {a: 4}   spec_token_ids {a: [d1, d2, d3]}   (t5 d1 d2 d3)
+             -> accepted_drafts {a: [d1, d2]}, sampled {a: t8}: a gains d1 d2 t8, and KV
+                slots of d3 are simply overwritten later (blocks only d3 filled are freed)
 """
 
 from __future__ import annotations
@@ -59,6 +68,9 @@ class CachedRequestData:
     """Tokens appended since the worker last saw it (the token sampled last step)."""
     new_block_ids: list[int]
     num_computed_tokens: int
+    num_blocks: int = -1
+    """The block table's length after this update (new_block_ids are its tail): a table may
+    shrink when rejected draft tokens give back blocks. -1: it only grew."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +97,9 @@ class SchedulerOutput:
     """Requests the worker held that lost their blocks: forget them until they come back new."""
     transfers: BlockTransfers = field(default_factory=BlockTransfers)
     """Block copies (swap out, swap in, copy-on-write) to apply before the forward pass."""
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """request id -> draft tokens to verify after its last known token (they are counted in
+    num_scheduled_tokens; only for requests whose other scheduled token is their last)."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -108,3 +123,7 @@ class RunnerOutput:
     """request_id -> the token sampled this step (requests that reached their last token)."""
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
     """request_id -> logprob dicts for the prompt positions this step predicted."""
+    accepted_drafts: dict[str, list[SampledToken]] = field(default_factory=dict)
+    """request_id -> the draft tokens verification accepted; they come before ``sampled``."""
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """request_id -> draft tokens proposed for its next step (after ``sampled``)."""

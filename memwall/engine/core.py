@@ -80,7 +80,9 @@ class EngineCore:
                            kv.num_total_blocks, scheduler.num_preemptions,
                            scheduler.stats.num_preemptions_recompute,
                            scheduler.stats.num_preemptions_swap, kv.stats.queries, kv.stats.hits,
-                           kv.pool.num_evictions)
+                           kv.pool.num_evictions, scheduler.stats.spec_num_draft_tokens,
+                           scheduler.stats.spec_num_accepted_tokens,
+                           scheduler.stats.spec_num_verify_steps)
 
     def shutdown(self) -> None:
         self.executor.shutdown()
@@ -100,7 +102,9 @@ def _output(request: Request) -> EngineCoreOutput:
     and how it finished."""
     sent, prompt_sent = request.num_output_tokens_sent, request.num_prompt_logprobs_sent
     out = EngineCoreOutput(request.request_id, request.output_token_ids[sent:],
-                           num_cached_tokens=request.num_cached_tokens)
+                           num_cached_tokens=request.num_cached_tokens,
+                           spec_counts=(request.num_draft_tokens, request.num_accepted_tokens,
+                                        request.num_verify_steps))
     if request.sampling_params.logprobs is not None:
         out.new_logprobs = request.output_logprobs[sent:]
     if request.sampling_params.prompt_logprobs is not None:

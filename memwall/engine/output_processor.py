@@ -29,6 +29,7 @@ class _Sample:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_tokens_sent: int = 0
+    spec_counts: tuple[int, int, int] = (0, 0, 0)
 
     @property
     def finished(self) -> bool:
@@ -119,6 +120,10 @@ class OutputProcessor:
         if out.new_token_ids and metrics.first_token_time is None:
             metrics.first_token_time = now
         parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+        if out.spec_counts != sample.spec_counts:
+            sample.spec_counts = out.spec_counts
+            totals = [sum(s.spec_counts[i] for s in parent.samples) for i in range(3)]
+            metrics.num_draft_tokens, metrics.num_accepted_tokens, metrics.num_verify_steps = totals
         if out.new_prompt_logprobs:
             parent.prompt_logprobs.extend(self._decorate_all(out.new_prompt_logprobs))
         sample.token_ids.extend(out.new_token_ids)

@@ -47,6 +47,8 @@ class EngineCoreOutput:
     """None while running; "stop", "length" or "abort" once finished."""
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    spec_counts: tuple[int, int, int] = (0, 0, 0)
+    """Speculative decoding so far: (draft tokens verified, accepted, verify steps)."""
     """Prompt tokens whose KV came from the prefix cache (at the latest admission)."""
     first_scheduled_time: float | None = None
     """When the request first got a step (sent once, on its first output)."""
@@ -73,6 +75,22 @@ class EngineStats:
     """Prompt tokens found there (their prefill was skipped)."""
     prefix_cache_evictions: int = 0
     """Cached blocks evicted to make room."""
+    spec_num_draft_tokens: int = 0
+    """Speculative decoding: draft tokens verified so far."""
+    spec_num_accepted_tokens: int = 0
+    spec_num_verify_steps: int = 0
+    """Sequence-steps that verified drafts."""
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a verifying step yields on average (accepted drafts + the sampled one)."""
+        if not self.spec_num_verify_steps:
+            return 0.0
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_verify_steps
 
     @property
     def prefix_cache_hit_rate(self) -> float:

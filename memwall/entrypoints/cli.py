@@ -125,8 +125,10 @@ def _load_engine(args: argparse.Namespace):
     return LLMEngine.from_args(engine_args_from(args))
 
 
-def stream_one(engine, prompt, params: SamplingParams, out=sys.stdout) -> tuple[int, float, float]:
-    """Runs one request, writing text as it is generated. Returns (tokens, ttft_s, total_s)."""
+def stream_one(engine, prompt, params: SamplingParams, out=sys.stdout,
+               metrics: list | None = None) -> tuple[int, float, float]:
+    """Runs one request, writing text as it is generated. Returns (tokens, ttft_s, total_s);
+    ``metrics``, when given, receives the request's final RequestMetrics."""
     request_id = f"cli-{time.monotonic_ns()}"
     start = time.perf_counter()
     engine.add_request(request_id, prompt, params)
@@ -140,6 +142,8 @@ def stream_one(engine, prompt, params: SamplingParams, out=sys.stdout) -> tuple[
             out.write(sample.delta_text)
             out.flush()
             tokens = len(sample.token_ids)
+            if metrics is not None and output.finished:
+                metrics.append(output.metrics)
     end = time.perf_counter()
     return tokens, (first or end) - start, end - start
 
@@ -150,11 +154,18 @@ def run_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if args.chat:
         prompt = engine.processor.render_chat([{"role": "user", "content": prompt}])
-    tokens, ttft, total = stream_one(engine, prompt, params)
+    metrics: list = []
+    tokens, ttft, total = stream_one(engine, prompt, params, metrics=metrics)
     print(file=sys.stdout)
     decode_rate = (tokens - 1) / (total - ttft) if tokens > 1 and total > ttft else 0.0
+    spec = ""
+    if metrics and metrics[-1] is not None and metrics[-1].num_verify_steps:
+        m = metrics[-1]
+        spec = (f"; speculative: {m.num_accepted_tokens} of {m.num_draft_tokens} draft tokens "
+                f"accepted ({m.spec_acceptance_rate:.0%}), {m.spec_mean_accepted_length:.2f} "
+                "tokens a verifying step")
     print(f"memwall: {tokens} tokens in {total:.2f} s; first token {ttft * 1000:.0f} ms; "
-          f"decode {decode_rate:.1f} tok/s", file=sys.stderr)
+          f"decode {decode_rate:.1f} tok/s{spec}", file=sys.stderr)
     return 0
 
 

@@ -23,30 +23,42 @@ class SamplerOutput:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        # A float32 copy: the caller's logits stay raw for the logprobs, and we edit in place.
-        work = logits.to(torch.float32, copy=True)  # [B, V]
-        apply_banned_tokens(work, meta.banned_token_ids)
-        if not meta.no_penalties:
-            apply_penalties(work, meta)
+        work = self.adjusted(logits, meta)  # [B, V]
         sampled = self._sample(work, meta)  # [B]
         logprobs = None
         if meta.max_num_logprobs is not None:
             logprobs = compute_logprobs(logits, sampled, meta.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
+    @staticmethod
+    def adjusted(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """A float32 copy with banned tokens and penalties applied (the caller's logits stay
+        raw for the logprobs). Greedy rows take its argmax."""
+        work = logits.to(torch.float32, copy=True)  # [B, V]
+        apply_banned_tokens(work, meta.banned_token_ids)
+        if not meta.no_penalties:
+            apply_penalties(work, meta)
+        return work
+
+    @staticmethod
+    def probabilities(work: torch.Tensor, meta: SamplingMetadata, rows: torch.Tensor) -> torch.Tensor:
+        """The distribution random rows ``rows`` sample from: ``adjusted`` logits through
+        temperature, top-k, top-p and min-p, then softmax. [R, V]"""
+        device = work.device
+        temperature = meta.temperature.to(device)[rows]  # [R]
+        random_logits = work[rows] / temperature[:, None]  # [R, V]
+        top_k, top_p = meta.top_k.to(device)[rows], meta.top_p.to(device)[rows]  # [R], [R]
+        random_logits = apply_top_k_top_p(random_logits, top_k, top_p)
+        random_logits = apply_min_p(random_logits, meta.min_p.to(device)[rows])
+        return torch.softmax(random_logits, dim=-1)  # [R, V]
+
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         # torch.argmax returns the first maximal index, so ties break towards the lower id.
         if meta.all_greedy:
             return logits.argmax(dim=-1)  # [B]
-        device = logits.device
-        temperature = meta.temperature.to(device)  # [B]
-        rows = (temperature > 0).nonzero().flatten()  # [R] the random rows
+        rows = (meta.temperature.to(logits.device) > 0).nonzero().flatten()  # [R] the random rows
         sampled = logits.argmax(dim=-1)  # [B]; random rows are overwritten below
-        random_logits = logits[rows] / temperature[rows, None]  # [R, V]
-        top_k, top_p = meta.top_k.to(device)[rows], meta.top_p.to(device)[rows]  # [R], [R]
-        random_logits = apply_top_k_top_p(random_logits, top_k, top_p)
-        random_logits = apply_min_p(random_logits, meta.min_p.to(device)[rows])
-        probs = torch.softmax(random_logits, dim=-1)  # [R, V]
+        probs = self.probabilities(logits, meta, rows)  # [R, V]
         sampled[rows] = exponential_race(probs, [meta.generators[i] for i in rows.tolist()])  # [R]
         return sampled
 

@@ -8,6 +8,13 @@ and one upload, instead of flattening Python lists every step:
     rows (persistent)          token_ids [rows, len]   block_table [rows, blocks]   num_tokens
     step (per call)            input_ids [T]  positions [T]  slot_mapping [T]  seq_lens [S]
                                block_tables [S, max blocks of this step]
+
+Draft tokens to verify (speculative decoding) are written into a row past its known tokens
+(``num_tokens`` does not count them) and run like any other tokens; attention, though, sees a
+verified sequence as one single-token row per token, each as long as the sequence up to it and
+sharing its block table, so the one-token kernels (the fused CPU decode step) verify them:
+
+    sequence a: t5 d1 d2 d3 at positions 5..8     ->   attention rows  a@6  a@7  a@8  a@9
 """
 
 from __future__ import annotations
@@ -65,6 +72,17 @@ class RequestRows:
             self.add(new)
         if sched.cached_requests:
             self.apply_all(sched.cached_requests)
+        for request_id, drafts in sched.spec_token_ids.items():
+            self.stage_drafts(request_id, drafts)
+
+    def stage_drafts(self, request_id: str, drafts: list[int]) -> None:
+        """Writes draft tokens after the row's known tokens without counting them: the next
+        step's delta overwrites them with what was accepted."""
+        row = self.row_of[request_id]
+        count = int(self.num_tokens[row])
+        if count + len(drafts) > self.token_ids.shape[1]:
+            self._fit(count + len(drafts), 0)
+        self.token_ids[row, count:count + len(drafts)] = drafts
 
     def apply_all(self, cached: list[CachedRequestData]) -> None:
         """Deltas of held requests. The usual decode case (one new token each) is a few
@@ -83,12 +101,13 @@ class RequestRows:
         self.token_ids[rows, counts] = [c.new_token_ids[0] for c in single]
         self.num_tokens[rows] = counts + 1
         self.num_computed[rows] = [c.num_computed_tokens for c in single]
-        for c in single:
-            if c.new_block_ids:
-                self._append_blocks(self.row_of[c.request_id], c.new_block_ids)
+        for c, row in zip(single, rows.tolist()):
+            if c.new_block_ids or 0 <= c.num_blocks != self.num_blocks[row]:
+                self._append_blocks(row, c.new_block_ids, c.num_blocks)
 
-    def _append_blocks(self, row: int, new_blocks: list[int]) -> None:
-        blocks = int(self.num_blocks[row])
+    def _append_blocks(self, row: int, new_blocks: list[int], total: int = -1) -> None:
+        """``total`` >= 0: the table's length after the append (it may have shrunk first)."""
+        blocks = int(self.num_blocks[row]) if total < 0 else total - len(new_blocks)
         if blocks + len(new_blocks) > self.block_table.shape[1]:
             self._fit(0, blocks + len(new_blocks))
         self.block_table[row, blocks:blocks + len(new_blocks)] = new_blocks
@@ -117,8 +136,8 @@ class RequestRows:
         if count + len(new_tokens) > self.token_ids.shape[1]:
             self._fit(count + len(new_tokens), 0)
         self.token_ids[row, count:count + len(new_tokens)] = new_tokens
-        if cached.new_block_ids:
-            self._append_blocks(row, cached.new_block_ids)
+        if cached.new_block_ids or cached.num_blocks >= 0:
+            self._append_blocks(row, cached.new_block_ids, cached.num_blocks)
         self.num_tokens[row] = count + len(new_tokens)
         self.num_computed[row] = cached.num_computed_tokens
 
@@ -171,8 +190,22 @@ class PromptLogprobRows:
 
 
 @dataclass
+class VerifyRows:
+    """The logits rows of one sequence's verified drafts: row i predicts the token after
+    draft i - 1 (row 0: after the last known token), so there is one row more than drafts."""
+
+    request_id: str
+    rows: list[int]  # indexes into the logits rows
+    draft_token_ids: list[int]
+
+
+@dataclass
 class StepInputs:
-    """One step's flat token axis and where every token sits in the paged KV cache."""
+    """One step's flat token axis and where every token sits in the paged KV cache.
+
+    ``query_lens``, ``seq_lens`` and ``block_tables`` are attention's view of the step: a
+    sequence verifying drafts appears there as one single-token row per token (module doc).
+    """
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -186,6 +219,8 @@ class StepInputs:
     """Requests that sample this step, in the order of the first logits rows (a fork child
     shares its parent's row: both are predicted by the same last prompt token)."""
     prompt_rows: list[PromptLogprobRows] = field(default_factory=list)
+    verify: list[VerifyRows] = field(default_factory=list)
+    """Sequences verifying drafts; their logits rows follow the sampling rows."""
 
     @classmethod
     def build(cls, rows: RequestRows, sched: SchedulerOutput,
@@ -207,12 +242,25 @@ class StepInputs:
         slots = rows.block_table[tok_rows, positions // bs] * bs + positions % bs
         width = -(-int(seq_lens.max()) // bs)
         tables = rows.block_table[row_index, :width]
-        samples = seq_lens == rows.num_tokens[row_index]
-        sample_index = (ends - 1)[samples].tolist()
-        sampling_ids = [i for i, s in zip(ids, samples.tolist()) if s]
+        spec = _num_drafts(sched, ids)
+        samples = seq_lens - spec == rows.num_tokens[row_index] if spec is not None else (
+            seq_lens == rows.num_tokens[row_index])
+        plain = samples if spec is None else samples & (spec == 0)
+        sample_index = (ends - 1)[plain].tolist()
+        sampling_ids = [i for i, s in zip(ids, plain.tolist()) if s]
         logit_index, sampling = _with_forks(sched, sampling_ids, sample_index)
+        verify = []
+        if spec is not None:
+            for i in np.flatnonzero(spec).tolist():
+                first = len(logit_index)
+                logit_index.extend(range(int(ends[i]) - int(spec[i]) - 1, int(ends[i])))
+                verify.append(VerifyRows(ids[i], list(range(first, len(logit_index))),
+                                         sched.spec_token_ids[ids[i]]))
+        attn_query, attn_seq, attn_tables = (query_lens, seq_lens, tables) if spec is None else (
+            _verify_as_rows(spec, query_lens, start, seq_lens, tables))
         inputs = cls(_upload(input_ids, device), _upload(positions, device), _upload(slots, device),
-                     query_lens, seq_lens, _upload(tables, device), logit_index, sampling)
+                     attn_query, attn_seq, _upload(attn_tables, device), logit_index, sampling,
+                     verify=verify)
         inputs._add_prompt_logprobs(rows, ids, start, ends - query_lens, query_lens)
         return inputs
 
@@ -235,6 +283,28 @@ class StepInputs:
             state.num_prompt_logprobs_done += len(flat)
             self.prompt_rows.append(PromptLogprobRows(request_id, rows_at, targets,
                                                       state.sampling_params.prompt_logprobs or 0))
+
+
+def _num_drafts(sched: SchedulerOutput, ids: list[str]) -> np.ndarray | None:
+    """[S] drafts each scheduled sequence verifies, or None in a step without any."""
+    if not sched.spec_token_ids:
+        return None
+    return np.fromiter((len(sched.spec_token_ids.get(i, ())) for i in ids), np.int64, len(ids))
+
+
+def _verify_as_rows(spec: np.ndarray, query_lens: np.ndarray, start: np.ndarray,
+                    seq_lens: np.ndarray, tables: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Attention's view: each sequence with drafts becomes one single-token row per token,
+    row j as long as the sequence through its token j, all sharing the sequence's blocks (each
+    row's KV is written before any row attends, so row j sees tokens 0..j of this step)."""
+    counts = np.where(spec > 0, query_lens, 1)  # attention rows per sequence
+    seq_of_row = np.repeat(np.arange(len(query_lens)), counts)
+    offset = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    expanded = (spec > 0)[seq_of_row]
+    row_query = np.where(expanded, 1, query_lens[seq_of_row])
+    row_seq = np.where(expanded, start[seq_of_row] + offset + 1, seq_lens[seq_of_row])
+    return row_query, row_seq, tables[seq_of_row]
 
 
 def _with_forks(sched: SchedulerOutput, sampling_ids: list[str],

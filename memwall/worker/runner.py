@@ -7,35 +7,42 @@
                      logits -> sampler            -> RunnerOutput
 
 It owns the model, the KV cache tensors, the per-request rows and random generators; it knows
-nothing of queues or stop conditions. A decode-only step may take a fast path: the captured
+nothing of queues or stop conditions. With speculative decoding on it also verifies the
+step's drafts (memwall/spec_decode/rejection.py) and proposes the next step's. A decode-only step may take a fast path: the captured
 CUDA graphs on a GPU (memwall/worker/cuda_graphs.py) or the fused CPU decode step
 (memwall/worker/cpu_decode.py), twins with the same ``can_run``/``run`` shape.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from memwall.attention import kv_quant
 from memwall.attention.backend import bind as bind_attention
 from memwall.attention.backend import choose as choose_attention_backend
 from memwall.attention.backend import get_backend
-from memwall.config import DeviceConfig, ModelArchConfig
+from memwall.config import DeviceConfig, ModelArchConfig, SpeculativeConfig
 from memwall.core.step import BlockTransfers, RunnerOutput, SampledToken, SchedulerOutput
+from memwall.loader.model_loader import LoadedModel
 from memwall.outputs import Logprob
 from memwall.sample.logprobs import LogprobsTensors, compute_logprobs
 from memwall.sample.metadata import SamplingMetadata
 from memwall.sample.sampler import Sampler
 from memwall.sampling_params import SamplingParams
-from memwall.worker.input_batch import RequestRows, StepInputs
+from memwall.spec_decode import DraftRequest, Proposer, make_proposer
+from memwall.spec_decode.adaptive import DraftLengths, StepCost
+from memwall.spec_decode.rejection import verify_greedy, verify_random
+from memwall.worker.input_batch import RequestRows, StepInputs, VerifyRows
 from memwall.worker.kv_cache import KVCachePlan, allocate_kv_cache
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: ModelArchConfig, plan: KVCachePlan,
                  dtype: torch.dtype, seed: int, dev: DeviceConfig, max_num_seqs: int,
-                 max_model_len: int) -> None:
-        """``dtype``: the KV cache's."""
+                 max_model_len: int, speculative: SpeculativeConfig | None = None,
+                 draft: LoadedModel | None = None) -> None:
+        """``dtype``: the KV cache's; ``draft``: the drafter of ``"method": "draft_model"``."""
         device = dev.device
         backend = choose_attention_backend(device)
         self.model = model
@@ -63,14 +70,58 @@ class ModelRunner:
         # Whether prefill's quantized matmuls take AMX (kernels/cpu/amx.py): its probe runs
         # here, at start-up, instead of inside the first long prompt.
         self.amx = self.device.type == "cpu" and _amx_enabled()
+        self.spec = speculative
+        self.proposer = (self._make_proposer(speculative, draft, plan, dtype)
+                         if speculative is not None else None)
+        self.draft_lengths = (self._draft_lengths(speculative, max_num_seqs)
+                              if speculative is not None else None)
+
+    def _make_proposer(self, spec: SpeculativeConfig, draft: LoadedModel | None,
+                       plan: KVCachePlan, dtype: torch.dtype) -> Proposer:
+        if spec.method != "draft_model":
+            return make_proposer(spec)
+        if draft is None:
+            raise ValueError("the draft_model method needs its model loaded (Worker.load_model)")
+        from memwall.spec_decode.draft_model import DraftModelProposer
+        # as many tokens of draft KV as the target's pool holds: every sequence can draft
+        caches = allocate_kv_cache(draft.arch, plan, dtype, self.device)
+        fast = None
+        if self.device.type == "cpu":
+            from memwall.worker.cpu_decode import FusedCpuDecode
+            fast = FusedCpuDecode.build(draft.model, caches)
+        return DraftModelProposer(draft.model, draft.arch, caches, plan.block_size,
+                                  self.attn_backend, fast)
+
+    def _draft_lengths(self, spec: SpeculativeConfig, max_num_seqs: int) -> DraftLengths:
+        """Adaptive lengths weigh drafts against this machine's measured step cost (CPU; a GPU
+        step's cost is not measured here, so it drafts ``num_speculative_tokens`` always)."""
+        cost = None
+        if spec.adaptive and self.device.type == "cpu":
+            most = max_num_seqs + spec.num_speculative_tokens
+            sizes = sorted({n for n in (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32) if n <= most}
+                           | {min(most, 1 + spec.num_speculative_tokens)})
+            from memwall.worker.step_shape import measure_row_costs
+            cost = StepCost(measure_row_costs(self.model, tuple(sizes)))
+        return DraftLengths(spec.num_speculative_tokens, cost, spec.adaptive)
 
     def describe(self) -> str:
         if self.device.type != "cuda":
             fused = "; decode steps fused in C" if self.fast_path is not None else ""
             amx = "; prefill matmuls on AMX (split bf16)" if self.amx else ""
-            return f"attention backend {self.backend}{fused}{amx}"
+            return f"attention backend {self.backend}{fused}{amx}{self._describe_spec()}"
         return (f"CUDA graphs for decode batches {self.fast_path.buckets}" if self.fast_path
                 else "eager (no CUDA graphs)")
+
+    def _describe_spec(self) -> str:
+        if self.spec is None:
+            return ""
+        text = f"; speculative decoding: {self.spec.method}, up to {self.spec.num_speculative_tokens} drafts"
+        cost = self.draft_lengths.cost
+        if cost is not None and self.draft_lengths.adaptive:
+            k = self.spec.num_speculative_tokens
+            text += (f" (adaptive: a step of {1 + k} rows costs {cost(1 + k) / cost(1):.2f}x one "
+                     "row here)")
+        return text
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> list[int]:
         """Captures the decode forward per batch-size bucket; returns the buckets."""
@@ -95,6 +146,10 @@ class ModelRunner:
         self.rows.update(sched)
         for request_id in sched.finished_ids:
             self._generators.pop(request_id, None)
+        if self.proposer is not None:
+            gone = sched.finished_ids + sched.preempted_ids
+            self.proposer.forget(gone)
+            self.draft_lengths.forget(gone)
         self._apply_transfers(sched.transfers)
         out = RunnerOutput()
         if sched.is_empty:
@@ -110,12 +165,16 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logit_token_index])  # [rows, vocab]
         if inputs.sampling_ids:
             self._sample(logits[: len(inputs.sampling_ids)], inputs.sampling_ids, sched, out)
+        if inputs.verify:
+            self._verify(logits, inputs.verify, out)
         for rows in inputs.prompt_rows:
             if not rows.rows:
                 continue
             lp = compute_logprobs(logits[rows.rows], torch.tensor(rows.targets, device=logits.device),
                                   rows.top_k)
             out.prompt_logprobs[rows.request_id] = _logprob_dicts(lp)
+        if self.proposer is not None:
+            self._propose(sched, out)
         return out
 
     def _apply_transfers(self, transfers: BlockTransfers) -> None:
@@ -173,6 +232,74 @@ class ModelRunner:
             elif lp is not None:
                 lp = _trim_top(lp, token, p.logprobs)
             out.sampled[request_id] = SampledToken(token, lp)
+
+    def _verify(self, logits: torch.Tensor, verify: list[VerifyRows], out: RunnerOutput) -> None:
+        """Exact acceptance of each sequence's drafts (spec_decode/rejection.py). Position j of
+        a sequence is sampled as if drafts 0..j-1 were already its output tokens: penalties
+        count them and min_tokens' banned ids end where they would."""
+        params, gens, prompts, outputs, banned = [], [], [], [], []
+        for v in verify:
+            state = self.rows.states[v.request_id]
+            p = state.sampling_params
+            penalized = _has_penalties(p)  # the sampler reads token lists for nothing else
+            history = self.rows.output_ids(v.request_id).tolist() if penalized else []
+            prompt = self.rows.prompt_ids(v.request_id).tolist() if penalized else []
+            num_out = len(self.rows.output_ids(v.request_id))
+            gen = self._generator(v.request_id, p)
+            for j in range(len(v.draft_token_ids) + 1):
+                params.append(p)
+                gens.append(gen)
+                prompts.append(prompt)
+                outputs.append(history + v.draft_token_ids[:j] if penalized else [])
+                banned.append(_banned_ids(p, state.eos_token_ids, num_out + j))
+        rows = [r for v in verify for r in v.rows]
+        raw = logits[rows]  # [R, V]
+        meta = SamplingMetadata.build(params, gens, prompts, outputs, banned)
+        work = self.sampler.adjusted(raw, meta)  # [R, V]
+        argmax = work.argmax(dim=-1).tolist()
+        offset = 0
+        for v in verify:
+            drafts, p = v.draft_token_ids, self.rows.states[v.request_id].sampling_params
+            span = slice(offset, offset + len(drafts) + 1)
+            if p.greedy:
+                accepted, token = verify_greedy(argmax[span], drafts)
+            else:
+                index = torch.arange(span.start, span.stop, device=work.device)
+                probs = self.sampler.probabilities(work, meta, index)  # [k + 1, V]
+                accepted, token = verify_random(probs, drafts, None, gens[offset])
+            tokens = drafts[:accepted] + [token]
+            lps = [None] * len(tokens)
+            if p.logprobs is not None:
+                lp = compute_logprobs(raw[offset:offset + len(tokens)],
+                                      torch.tensor(tokens, device=raw.device), p.logprobs)
+                lps = [_trim_top(entry, t, p.logprobs) for entry, t in zip(_logprob_dicts(lp), tokens)]
+            out.accepted_drafts[v.request_id] = [SampledToken(t, e) for t, e in zip(tokens[:-1], lps)]
+            out.sampled[v.request_id] = SampledToken(token, lps[-1])
+            self.draft_lengths.observe(v.request_id, len(drafts), accepted)
+            offset = span.stop
+
+    def _propose(self, sched: SchedulerOutput, out: RunnerOutput) -> None:
+        """Drafts for the next step of every held sequence that got a token, as many as pay
+        (spec_decode/adaptive.py), none above disable_by_batch_size running sequences."""
+        batch = len(sched.num_scheduled_tokens)
+        limit = self.spec.disable_by_batch_size
+        if limit is not None and batch > limit:
+            return
+        requests = []
+        for request_id, sampled in out.sampled.items():
+            row = self.rows.row_of.get(request_id)
+            if row is None:
+                continue  # a fork child's first token: it joins the rows next step
+            if request_id not in out.accepted_drafts:
+                self.draft_lengths.idle(request_id)
+            k = self.draft_lengths.choose(request_id, batch)
+            if k == 0:
+                continue
+            known = self.rows.token_ids[row, :self.rows.num_tokens[row]]
+            new = [t.token_id for t in out.accepted_drafts.get(request_id, ())] + [sampled.token_id]
+            requests.append(DraftRequest(request_id, np.concatenate([known, new]), k))
+        if requests:
+            out.draft_token_ids = self.proposer.propose(requests)
 
     def _sampling_row(self, request_id: str, forks: dict) -> tuple:
         """(params, prompt ids, output ids, banned ids) of one sampling row. The token lists

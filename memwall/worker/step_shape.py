@@ -109,3 +109,12 @@ def measure(model: nn.Module, max_num_seqs: int, block_size: int) -> StepShape:
     rate = PREFILL_PROBE / max(prefill_s, 1e-9)
     budget = choose_budget(decode_s, rate, decode_batch, block_size)
     return StepShape(budget, decode_batch, decode_s, rate)
+
+
+def measure_row_costs(model: nn.Module, sizes: tuple[int, ...]) -> dict[int, float]:
+    """Seconds of a decode step of n one-token rows (every projection and the LM head) for
+    each n in ``sizes``: what speculative decoding weighs its extra rows with
+    (memwall/spec_decode/adaptive.py). Best of three timings each."""
+    projections = _projections(model)
+    return {n: _pass_seconds(model, projections, n, with_head=True, repeats=3) for n in sizes}
+

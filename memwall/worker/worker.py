@@ -57,6 +57,7 @@ class Worker:
         self.model: torch.nn.Module | None = None
         self.runner: ModelRunner | None = None
         self.gpu_memory: GpuMemoryProfile | None = None
+        self.draft: LoadedModel | None = None
 
     def load_model(self) -> ModelInfo:
         torch.set_num_threads(self.args.threads or default_threads())
@@ -66,7 +67,23 @@ class Worker:
                                      progress=self.args.show_progress,
                                      quantization=loader_quantization(self.args.quantization))
         self.model = place_model(self.loaded.model, dev, self.args.quantization)
+        self._load_draft_model()
         return ModelInfo(self.loaded.name, self.loaded.arch)
+
+    def _load_draft_model(self) -> None:
+        """The drafter of ``"method": "draft_model"``, loaded as the target is, its tokenizer
+        checked against the target's (drafts are the target's token ids)."""
+        spec = self.args.speculative()
+        if spec is None or spec.method != "draft_model" or self.draft is not None:
+            return
+        from memwall.spec_decode.draft_model import check_tokenizers
+
+        dev = self.device_config
+        draft = load_model(spec.model, dev.dtype, progress=self.args.show_progress,
+                           quantization=loader_quantization(self.args.quantization))
+        check_tokenizers(self.loaded.tokenizer, draft.tokenizer, draft.name)
+        self.draft = dataclasses.replace(draft, model=place_model(draft.model, dev,
+                                                                  self.args.quantization))
 
     def determine_num_blocks(self, cache: CacheConfig, sched: SchedulerConfig) -> KVCachePlan:
         """The KV pool: on cuda without an explicit size, what a profiled forward pass leaves of
@@ -82,7 +99,8 @@ class Worker:
     def init_cache(self, plan: KVCachePlan, max_num_seqs: int, max_model_len: int) -> None:
         dev = self.device_config
         self.runner = ModelRunner(self.model, self.loaded.arch, plan, kv_cache_dtype(dev),
-                                  self.args.seed, dev, max_num_seqs, max_model_len)
+                                  self.args.seed, dev, max_num_seqs, max_model_len,
+                                  self.args.speculative(), self.draft)
 
     def measure_step_shape(self, max_num_seqs: int, block_size: int) -> StepShape | None:
         """The CPU step budget from this machine's measured kernel speed (step_shape.py); None

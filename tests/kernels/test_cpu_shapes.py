@@ -199,6 +199,54 @@ def test_paged_attention_at_every_batch_size(isa, block, heads, kv_heads, dim):
         _close(out, _attention_ref(q, k_cache, v_cache, lens, tables, 0.3))
 
 
+def _cache(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x float [blocks, block, kv_heads, D] in one of the native KV formats."""
+    from memwall.attention import kv_quant
+
+    if fmt == "fp32":
+        return x
+    if fmt == "fp16":
+        return x.half()
+    cache = kv_quant.int8_cache(tuple(x.shape))
+    kv_quant.write(cache, x.flatten(0, 1), torch.arange(x.shape[0] * x.shape[1]))
+    return cache
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("block, heads, kv_heads, dim", [(16, 9, 3, 64), (5, 3, 3, 24), (4, 8, 1, 16)])
+def test_verification_rows_attend_together_and_each_as_alone(isa, fmt, block, heads, kv_heads, dim):
+    """Speculative verification: k + 1 rows of one sequence (one block table, lengths L..L+k)
+    among other rows. The kernel attends each run's rows together; every row is the same
+    bits as that row alone, for runs inside one key range, on and across the 128-key split,
+    and runs longer than the 17 rows one item takes."""
+    g = torch.Generator().manual_seed(block * heads + dim)
+    rng = random.Random(dim)
+    runs = [(1, 1), (1, 5), (3, 4), (14, 2), (124, 6), (127, 3), (128, 1), (126, 9), (200, 5),
+            (254, 4), (256, 17), (300, 20), (40, 1)]
+    num_blocks = sum(-(-(start + count) // block) for start, count in runs) + 1
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)
+    tables, lens = [], []
+    for start, count in runs:
+        table = pool[:-(-(start + count - 1) // block)]
+        pool = pool[len(table):]
+        for j in range(count):  # every row carries the sequence's whole table, as the runner's
+            tables.append(table)
+            lens.append(start + j)
+    width = max(len(t) for t in tables)
+    k_cache = _cache(torch.randn(num_blocks, block, kv_heads, dim, generator=g), fmt)
+    v_cache = _cache(torch.randn(num_blocks, block, kv_heads, dim, generator=g), fmt)
+    q = torch.randn(len(lens), heads, dim, generator=g)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    seq_lens = torch.tensor(lens, dtype=torch.long)
+    out = paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, 0.3)
+    for b in range(len(lens)):
+        alone = paged_decode_attention(q[b:b + 1], k_cache, v_cache, bt[b:b + 1], seq_lens[b:b + 1], 0.3)
+        assert torch.equal(out[b:b + 1], alone), (b, lens[b])
+    if fmt == "fp32":
+        _close(out, _attention_ref(q, k_cache, v_cache, seq_lens, tables, 0.3))
+
+
 def test_attention_inputs_outside_the_cache_are_refused():
     q, k_cache, v_cache, bt, lens, _ = _attention_case(3, 4, 4, 2, 16, seed=9)
     bad = [

@@ -143,6 +143,17 @@ class KVCacheManager:
         self.pool.release([table[index]])
         table[index] = fresh
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Gives back the blocks past the first ``num_tokens`` tokens: blocks that only
+        rejected draft tokens filled (never registered: their tokens were not computed)."""
+        table = self.block_tables.get(request_id)
+        keep = blocks_needed(num_tokens, self.block_size)
+        if table is None or len(table) <= keep:
+            return
+        extra = table[keep:]
+        del table[keep:]
+        self.pool.release(list(reversed(extra)))
+
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent (including a partial last one, which is
         copied on the first write by either side)."""

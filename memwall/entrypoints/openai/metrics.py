@@ -112,6 +112,10 @@ class EngineCollector:
             "memwall:kv_cache_total_blocks": ("KV-cache blocks in all", stats.num_total_blocks),
             "memwall:prefix_cache_hit_rate": ("Prompt tokens served from the prefix cache / looked up",
                                               stats.prefix_cache_hit_rate),
+            "memwall:spec_decode_acceptance_rate": ("Draft tokens accepted / verified",
+                                                    stats.spec_acceptance_rate),
+            "memwall:spec_decode_mean_accepted_length": (
+                "Tokens per verifying step (accepted drafts + 1)", stats.spec_mean_accepted_length),
         }
         for name, (help_text, value) in gauges.items():
             yield GaugeMetricFamily(name, help_text, value=value)
@@ -127,6 +131,12 @@ class EngineCollector:
             "memwall:prefix_cache_hits": ("Prompt tokens whose KV came from the prefix cache",
                                           stats.prefix_cache_hits),
             "memwall:prefix_cache_evictions": ("Cached KV blocks evicted", stats.prefix_cache_evictions),
+            "memwall:spec_decode_num_draft_tokens": ("Draft tokens verified (speculative decoding)",
+                                                     stats.spec_num_draft_tokens),
+            "memwall:spec_decode_num_accepted_tokens": ("Draft tokens accepted",
+                                                        stats.spec_num_accepted_tokens),
+            "memwall:spec_decode_num_drafts": ("Sequence-steps that verified drafts",
+                                               stats.spec_num_verify_steps),
         }
         for name, (help_text, value) in counters.items():
             yield CounterMetricFamily(name, help_text, value=value)

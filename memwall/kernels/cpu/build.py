@@ -181,6 +181,8 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "mw_split_bf16": (None, [p, i64, p, p]),
         "mw_q4_gemv_i8": (i32, [p, i64, p, p, p, p, i64, i32]),
         "mw_q8_gemv_i8": (i32, [p, i64, i64, p, p, p, p, i64, i32]),
+        "mw_q4_gemm_i8": (i32, [p, i64, i64, p, p, p, p, i64, i32]),
+        "mw_q8_gemm_i8": (i32, [p, i64, i64, i64, p, p, p, p, i64, i32]),
         "mw_set_int_acts": (None, [i32]),
         "mw_int_gemm_isa": (i32, []),
         "mw_int_acts_on": (i32, []),

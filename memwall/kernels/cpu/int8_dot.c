@@ -230,3 +230,294 @@ int mw_q8_gemv_i8(const float* x, int64_t K, int64_t G, const int8_t* codes, con
     return 0;
 #endif
 }
+
+/* ------------------------------------------------------------------ 1..MW_I8_MAX_ROWS tokens
+ *
+ * A few tokens at once (speculative decoding's k + 1 verification rows, small decode batches),
+ * each row of y bit-identical to the gemv above on that token alone, so a verified draft
+ * reproduces the one-token decode. What the gemv's float arithmetic sees is kept exactly:
+ * per 64- or 128-weight chunk the same int32 lane sums, the same cvt, s * dlane product and
+ * fmadd into a 16-lane accumulator, chunks in the same order, then _mm512_reduce_add_ps and
+ * + dot_f32(c, gsum). Integer sums are exact, so how a lane's sum is formed is free:
+ *
+ *   - activations as int16 a = 256 hi + lo (the gemv's two digits of the value; |a| <= 32639)
+ *     and weights widened to int16 pairs, so one vpdpwssd does the work of the gemv's two
+ *     vpdpbusd (hi, lo) and its shift. For the dword lane j of a chunk (weight bytes 4j..4j+3),
+ *     the even bytes (4j, 4j+2) go to one word vector and the odd bytes to another, the
+ *     activations laid out to match (quantize_rows), and both vpdpwssd add into lane j.
+ *     q8 codes are signed words, which makes the gemv's xor/+128 correction unnecessary.
+ *   - the weight codes of a chunk are loaded and unpacked once for all M tokens, and two
+ *     rows share each token's activation loads.
+ *
+ * Per token and 128 weights that leaves 4 vpdpwssd, cvt, mul, fmadd (the gemv: 4 vpdpbusd,
+ * shift, cvt, mul, fmadd plus the weight's load, 3 unpack ops and scale spread). */
+#ifdef MW_VNNI
+/* Tokens quantized for the row kernels. Per chunk (q4: 128 values, a 64-value tail; q8: 64),
+ * the M tokens side by side: a holds token m's chunk at (chunk start * M + m * chunk size),
+ * as the int16 word vectors the chunk's weight vectors meet (q4: low nibbles of the even
+ * bytes, of the odd bytes, high nibbles of the even, of the odd; q4 tail and q8: even bytes,
+ * odd bytes); dl holds (chunk * M + m) * 16: the 16 lane scales d / 256 the gemv loads from
+ * dlane for that chunk; gsum [M][K / G] as the gemv's. */
+typedef struct { int16_t* a; float *dl, *gsum; } qrows;
+
+/* a block's 16 int32 values -> 8 even-indexed int16 (low 128 bits) and 8 odd (high 128) */
+static inline __m256i evens_odds(__m512i v) {
+    const __m512i perm = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    return _mm512_cvtepi32_epi16(_mm512_permutexvar_epi32(perm, v));
+}
+
+/* quantize_x's arithmetic, vectorized, for M tokens into the qrows layout: the same amax
+ * (max of |x| over the block, NaN skipped), d, 1 / d, rounding (cvtps2dq: the current
+ * rounding mode, as nearbyintf), clamp, int8 hi, and the same gsum sums in the same order. */
+static void quantize_rows(const float* x, int64_t M, int64_t K, int q4, int64_t G, qrows* t) {
+    const int64_t full = q4 ? K / 128 : 0, ng = K / G;
+    const __m512 zero = _mm512_setzero_ps(), k256 = _mm512_set1_ps(256.f);
+    const __m512i lmax = _mm512_set1_epi32(127), lmin = _mm512_set1_epi32(-127);
+    for (int64_t m = 0; m < M; m++) {
+        float* gsum = t->gsum + m * ng;
+        for (int64_t b = 0; b < K / 32; b++) {
+            const float* xb = x + m * K + b * 32;
+            const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+            /* vmaxps returns its second operand when one is NaN: NaNs leave amax alone */
+            const float amax = _mm512_reduce_max_ps(
+                _mm512_max_ps(_mm512_abs_ps(x1), _mm512_max_ps(_mm512_abs_ps(x0), zero)));
+            const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+            const __m512 vid = _mm512_set1_ps(id);
+            __m512i a[2];
+            int64_t sums[2];
+            for (int i = 0; i < 2; i++) {
+                const __m512 tv = _mm512_mul_ps(i ? x1 : x0, vid);
+                const __m512i h = _mm512_cvtps_epi32(tv);
+                __m512i l = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(tv, _mm512_cvtepi32_ps(h)), k256));
+                l = _mm512_min_epi32(_mm512_max_epi32(l, lmin), lmax);
+                /* the gemv's sums take h as computed, its digits h as stored (int8) */
+                sums[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(h, 8), l));
+                const __m512i h8 = _mm512_srai_epi32(_mm512_slli_epi32(h, 24), 24);
+                a[i] = _mm512_add_epi32(_mm512_slli_epi32(h8, 8), l);
+            }
+            const float unit = d / 256.f;
+            if (G == 16) {
+                gsum[b * 2] = unit * (float)sums[0];
+                gsum[b * 2 + 1] = unit * (float)sums[1];
+            } else if (G == 32) {
+                gsum[b] = unit * (float)(sums[0] + sums[1]);
+            } else {
+                if ((b * 32) % G == 0) gsum[b * 32 / G] = 0.f;
+                gsum[b * 32 / G] += unit * (float)(sums[0] + sums[1]);
+            }
+            /* where the block's words and lane scales go (see qrows) */
+            const __m256i p0 = evens_odds(a[0]), p1 = evens_odds(a[1]);
+            const __m128 dv = _mm_set1_ps(unit);
+            int64_t chunk, q, size, off[4];  /* off: even/odd words of values 0..15, of 16..31 */
+            if (q4 && b < 4 * full) {
+                chunk = b / 4, q = b % 4, size = 128;
+                off[0] = 8 * q, off[1] = 32 + 8 * q, off[2] = 64 + 8 * q, off[3] = 96 + 8 * q;
+            } else if (q4) {  /* tail: [low nibbles of both blocks | high nibbles] */
+                chunk = full, q = b - 4 * full, size = 64;
+                off[0] = 8 * q, off[1] = 32 + 8 * q, off[2] = 16 + 8 * q, off[3] = 48 + 8 * q;
+            } else {
+                chunk = b / 2, q = b % 2, size = 64;
+                off[0] = 16 * q, off[1] = 32 + 16 * q, off[2] = 8 + 16 * q, off[3] = 40 + 16 * q;
+            }
+            int16_t* dst = t->a + chunk * (q4 ? 128 : 64) * M + m * size;
+            _mm_storeu_si128((__m128i*)(dst + off[0]), _mm256_castsi256_si128(p0));
+            _mm_storeu_si128((__m128i*)(dst + off[1]), _mm256_extracti128_si256(p0, 1));
+            _mm_storeu_si128((__m128i*)(dst + off[2]), _mm256_castsi256_si128(p1));
+            _mm_storeu_si128((__m128i*)(dst + off[3]), _mm256_extracti128_si256(p1, 1));
+            float* dl = t->dl + (chunk * M + m) * 16;
+            if (q4 && b < 4 * full) _mm_storeu_ps(dl + 4 * q, dv);
+            else if (q4) _mm_storeu_ps(dl + 4 * q, dv), _mm_storeu_ps(dl + 8 + 4 * q, dv);
+            else _mm_storeu_ps(dl + 8 * q, dv), _mm_storeu_ps(dl + 8 * q + 4, dv);
+        }
+    }
+}
+
+static int alloc_rows(int64_t M, int64_t K, int64_t G, qrows* t) {
+    /* a: M * K words; dl: 16 a chunk of at least 64 values; gsum: K / G a token */
+    const size_t abytes = (size_t)(M * K) * sizeof(int16_t);
+    t->a = (int16_t*)aligned_alloc(64, (abytes + sizeof(float) * (size_t)(M * (K / 4 + K / G)) + 63) / 64 * 64);
+    if (!t->a) return 0;
+    t->dl = (float*)((char*)t->a + abytes);
+    t->gsum = t->dl + M * (K / 4);
+    return 1;
+}
+
+/* R q4 rows (codes q + r * K / 2, scales sr / cr + r * nb) against M tokens; R, M compile-time
+ * constants so the R * M accumulators stay in registers. Writes y[m * N + r]. */
+static inline __attribute__((always_inline)) void q4_rows_i8(
+        const int R, const int M, const uint8_t* q, const float* sr, const float* cr, int64_t K,
+        const qrows* t, float* y, int64_t N) {
+    const int64_t nb = K / 32, full = K / 128;
+    const __m512i idx4 = _mm512_loadu_si512(LANES_16), idx2 = _mm512_loadu_si512(LANES_2);
+    const __m512i nib = _mm512_set1_epi16(15);
+    __m512 acc[R * M];
+    for (int i = 0; i < R * M; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < full; c++) {
+        const int16_t* ac = t->a + c * 128 * M;
+        const float* dc = t->dl + c * 16 * M;
+        __m512i w[R][4];
+        __m512 sv[R];
+        for (int r = 0; r < R; r++) {
+            const __m512i raw = _mm512_loadu_si512(q + r * (K / 2) + c * 64);
+            w[r][0] = _mm512_and_si512(raw, nib);
+            w[r][1] = _mm512_and_si512(_mm512_srli_epi16(raw, 8), nib);
+            w[r][2] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+            w[r][3] = _mm512_srli_epi16(raw, 12);
+            sv[r] = spread(sr + r * nb + c * 4, 4, idx4);
+        }
+        for (int m = 0; m < M; m++) {
+            const int16_t* am = ac + m * 128;
+            const __m512 dm = _mm512_loadu_ps(dc + m * 16);
+            for (int r = 0; r < R; r++) {
+                __m512i dot = _mm512_madd_epi16(w[r][0], _mm512_loadu_si512(am));
+                dot = _mm512_dpwssd_epi32(dot, w[r][1], _mm512_loadu_si512(am + 32));
+                dot = _mm512_dpwssd_epi32(dot, w[r][2], _mm512_loadu_si512(am + 64));
+                dot = _mm512_dpwssd_epi32(dot, w[r][3], _mm512_loadu_si512(am + 96));
+                acc[r * M + m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv[r], dm),
+                                                 acc[r * M + m]);
+            }
+        }
+    }
+    if (K % 128) {  /* the gemv's 64-weight tail: [low nibbles | high nibbles] of two blocks */
+        const int16_t* ac = t->a + full * 128 * M;
+        const float* dc = t->dl + full * 16 * M;
+        const __m256i low4 = _mm256_set1_epi8(15);
+        __m512i w[R][2];
+        __m512 sv[R];
+        for (int r = 0; r < R; r++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i*)(q + r * (K / 2) + full * 64));
+            const __m512i wb = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_and_si256(raw, low4)),
+                _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4), 1);
+            w[r][0] = _mm512_and_si512(wb, _mm512_set1_epi16(255));
+            w[r][1] = _mm512_srli_epi16(wb, 8);
+            sv[r] = spread(sr + r * nb + full * 4, 2, idx2);
+        }
+        for (int m = 0; m < M; m++) {
+            const int16_t* am = ac + m * 64;
+            const __m512 dm = _mm512_loadu_ps(dc + m * 16);
+            for (int r = 0; r < R; r++) {
+                __m512i dot = _mm512_madd_epi16(w[r][0], _mm512_loadu_si512(am));
+                dot = _mm512_dpwssd_epi32(dot, w[r][1], _mm512_loadu_si512(am + 32));
+                acc[r * M + m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv[r], dm),
+                                                 acc[r * M + m]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++)
+            y[m * N + r] = _mm512_reduce_add_ps(acc[r * M + m]) + dot_f32(cr + r * nb, t->gsum + m * nb, nb);
+}
+
+/* R q8 rows (codes q + r * K, scales sr / cr + r * ng, group G) against M tokens */
+static inline __attribute__((always_inline)) void q8_rows_i8(
+        const int R, const int M, const int8_t* q, const float* sr, const float* cr, int64_t K,
+        int64_t G, const qrows* t, float* y, int64_t N) {
+    const int64_t ng = K / G;
+    const __m512i idx = _mm512_loadu_si512(G == 16 ? LANES_16 : LANES_32);
+    __m512 acc[R * M];
+    for (int i = 0; i < R * M; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < K / 64; p++) {
+        const int16_t* ac = t->a + p * 64 * M;
+        const float* dc = t->dl + p * 16 * M;
+        __m512i w[R][2];
+        __m512 sv[R];
+        for (int r = 0; r < R; r++) {
+            const __m512i raw = _mm512_loadu_si512(q + r * K + p * 64);
+            w[r][0] = _mm512_srai_epi16(_mm512_slli_epi16(raw, 8), 8);  /* even bytes, signed */
+            w[r][1] = _mm512_srai_epi16(raw, 8);                        /* odd bytes */
+            const float* s = sr + r * ng;
+            sv[r] = G == 16 ? spread(s + p * 4, 4, idx) : G == 32 ? spread(s + p * 2, 2, idx)
+                                                                 : _mm512_set1_ps(s[p * 64 / G]);
+        }
+        for (int m = 0; m < M; m++) {
+            const int16_t* am = ac + m * 64;
+            const __m512 dm = _mm512_loadu_ps(dc + m * 16);
+            for (int r = 0; r < R; r++) {
+                __m512i dot = _mm512_madd_epi16(w[r][0], _mm512_loadu_si512(am));
+                dot = _mm512_dpwssd_epi32(dot, w[r][1], _mm512_loadu_si512(am + 32));
+                acc[r * M + m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv[r], dm),
+                                                 acc[r * M + m]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++)
+            y[m * N + r] = _mm512_reduce_add_ps(acc[r * M + m]) + dot_f32(cr + r * ng, t->gsum + m * ng, ng);
+}
+
+/* rows [0, rows) of a run: groups of ROWS_R(M) rows, then one at a time */
+#define ROWS_R(M) ((M) <= 4 ? 2 : 1)
+#define Q4_RUN(M) do { int64_t r = 0; \
+        for (; r + ROWS_R(M) <= rows; r += ROWS_R(M)) \
+            q4_rows_i8(ROWS_R(M), M, q + r * (K / 2), sr + r * nb, cr + r * nb, K, &t, yr + r, N); \
+        for (; r < rows; r++) q4_rows_i8(1, M, q + r * (K / 2), sr + r * nb, cr + r * nb, K, &t, yr + r, N); \
+    } while (0)
+#define Q8_RUN(M) do { int64_t r = 0; \
+        for (; r + ROWS_R(M) <= rows; r += ROWS_R(M)) \
+            q8_rows_i8(ROWS_R(M), M, q + r * K, sr + r * ng, cr + r * ng, K, G, &t, yr + r, N); \
+        for (; r < rows; r++) q8_rows_i8(1, M, q + r * K, sr + r * ng, cr + r * ng, K, G, &t, yr + r, N); \
+    } while (0)
+#define M_CASES(RUN) switch (M) { \
+    case 1: RUN(1); break; case 2: RUN(2); break; case 3: RUN(3); break; case 4: RUN(4); break; \
+    case 5: RUN(5); break; case 6: RUN(6); break; case 7: RUN(7); break; default: RUN(8); break; }
+#endif
+
+/* y[M, N] = x[M, K] @ W^T for 1..MW_I8_MAX_ROWS tokens, each row of y bit-identical to
+ * mw_q4_gemv_i8 on that token; 0 when it cannot (no VNNI, switched off, more tokens, a shape
+ * the gemv does not take, out of memory), and the caller runs another kernel. */
+int mw_q4_gemm_i8(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s,
+                  const void* c, float* y, int64_t N, int half) {
+#ifdef MW_VNNI
+    if (M <= 0 || N <= 0) return 1;
+    if (!mw_int_acts || M > MW_I8_MAX_ROWS || K <= 0 || K % 64) return 0;
+    qrows t;
+    if (!alloc_rows(M, K, 32, &t)) return 0;
+    quantize_rows(x, M, K, 1, 32, &t);
+    const int64_t nb = K / 32, run = rows_per_run(nb) < 4 ? 4 : rows_per_run(nb);
+    #pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += run) {
+        const int64_t rows = N - n0 < run ? N - n0 : run;
+        float sbuf[run * nb], cbuf[run * nb];  /* unused for float32 scales */
+        const float* sr = mw_scales_f32(s, half, n0 * nb, rows * nb, sbuf);
+        const float* cr = mw_scales_f32(c, half, n0 * nb, rows * nb, cbuf);
+        const uint8_t* q = codes + n0 * (K / 2);
+        float* yr = y + n0;
+        M_CASES(Q4_RUN)
+    }
+    free(t.a);
+    return 1;
+#else
+    (void)x; (void)M; (void)K; (void)codes; (void)s; (void)c; (void)y; (void)N; (void)half;
+    return 0;
+#endif
+}
+
+int mw_q8_gemm_i8(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
+                  const void* s, const void* c, float* y, int64_t N, int half) {
+#ifdef MW_VNNI
+    if (M <= 0 || N <= 0) return 1;
+    if (!mw_int_acts || M > MW_I8_MAX_ROWS || K <= 0 || K % 64 || G <= 0 ||
+        !(G == 16 || G == 32 || G % 64 == 0) || K % G)
+        return 0;
+    qrows t;
+    if (!alloc_rows(M, K, G, &t)) return 0;
+    quantize_rows(x, M, K, 0, G, &t);
+    const int64_t ng = K / G, run = rows_per_run(ng) < 4 ? 4 : rows_per_run(ng);
+    #pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += run) {
+        const int64_t rows = N - n0 < run ? N - n0 : run;
+        float sbuf[run * ng], cbuf[run * ng];
+        const float* sr = mw_scales_f32(s, half, n0 * ng, rows * ng, sbuf);
+        const float* cr = mw_scales_f32(c, half, n0 * ng, rows * ng, cbuf);
+        const int8_t* q = codes + n0 * K;
+        float* yr = y + n0;
+        M_CASES(Q8_RUN)
+    }
+    free(t.a);
+    return 1;
+#else
+    (void)x; (void)M; (void)K; (void)G; (void)codes; (void)s; (void)c; (void)y; (void)N; (void)half;
+    return 0;
+#endif
+}

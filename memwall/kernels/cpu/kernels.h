@@ -5,7 +5,8 @@
  *     quant_gemm.c       fp32 matmuls on q4/q8 block-quantized weights, prefill tiles, dequantize
  *     int_gemm.c         q4/q8 matmuls with int16 activations for any number of tokens
  *                        (AVX2 vpmaddwd, AVX-512 VNNI vpdpwssd, plain C)
- *     int8_dot.c         one-token q4/q8 matmuls with int8-digit activations (AVX512-VNNI)
+ *     int8_dot.c         q4/q8 matmuls of 1..MW_I8_MAX_ROWS tokens with int8-digit
+ *                        activations (AVX512-VNNI)
  *     paged_attention.c  decode attention over paged KV blocks, read where they lie
  *     decode.c           the fused decode step: all layers of a Llama-family model in one call
  *     split_bf16.c       hi + lo bf16 operands for split-bf16 (AMX) prefill matmuls (amx.py)
@@ -72,6 +73,13 @@ int mw_q4_gemv_i8(const float* x, int64_t K, const uint8_t* codes, const void* s
 int mw_q8_gemv_i8(const float* x, int64_t K, int64_t G, const int8_t* codes, const void* s,
                   const void* c, float* y, int64_t N, int half);
 int mw_int8_dot_available(void);
+/* 1..MW_I8_MAX_ROWS tokens, y [M, N]: each row bit-identical to the gemv above on that token
+ * alone (speculative verification reproduces one-token decode); 0 when it cannot, as above */
+#define MW_I8_MAX_ROWS 8
+int mw_q4_gemm_i8(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s,
+                  const void* c, float* y, int64_t N, int half);
+int mw_q8_gemm_i8(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
+                  const void* s, const void* c, float* y, int64_t N, int half);
 
 /* split_bf16.c: a = hi + lo, hi = bf16(a) (nearest even), lo = a - hi, both as float32 */
 void mw_split_bf16(const float* x, int64_t n, float* hi, float* lo);

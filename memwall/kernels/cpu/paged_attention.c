@@ -374,10 +374,14 @@ int mw_check_tables(const int64_t* block_tables, int64_t table_width, const int6
 /* One query token per sequence. q: [B, H, D]; out: [B, H, D]; block_tables: [B, table_width];
  * seq_lens: [B] (keys 0..len-1 are attended, including the token just written). The `group`
  * query heads that share a KV head are done together, so each key and value is read once.
- * Work items are (sequence, KV head, key range): with few sequences (B = 1 has only Hkv
- * items) long contexts are split into ranges, each thread takes some, and the ranges' partial
- * softmax sums are merged (flash-decoding's split-K). Unchecked: mw_check_tables first (the
- * decode step checks once for all its layers). Returns MW_OK or MW_OUT_OF_MEMORY. */
+ * Work items are (sequence, KV head, key range): contexts longer than SPLIT_KEYS are split
+ * into ranges of SPLIT_KEYS keys, threads take them, and the ranges' partial softmax sums are
+ * merged in order (flash-decoding's split-K). The ranges depend on the sequence's own length
+ * only, never on the batch or the thread count, so a row's result is the same bits in any
+ * batch: speculative verification (k + 1 rows of one sequence) then reproduces the one-token
+ * steps exactly. Unchecked: mw_check_tables first (the decode step checks once for all its
+ * layers). Returns MW_OK or MW_OUT_OF_MEMORY. */
+#define SPLIT_KEYS 128
 int mw_paged_attention_run(const float* q, const void* k_cache, const void* v_cache,
                            const float* k_scales, const float* v_scales, int kv_type,
                            const int64_t* block_tables, int64_t table_width,
@@ -387,10 +391,7 @@ int mw_paged_attention_run(const float* q, const void* k_cache, const void* v_ca
     const int64_t group = H / Hkv;
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
-    const int64_t threads = omp_get_max_threads();
-    int64_t splits = (4 * threads + B * Hkv - 1) / (B * Hkv);  /* enough items to balance */
-    const int64_t most = (max_len + 127) / 128;                 /* ranges of >= 128 keys */
-    splits = splits < most ? splits : most;
+    int64_t splits = (max_len + SPLIT_KEYS - 1) / SPLIT_KEYS;  /* ranges of the longest row */
     splits = splits < 1 ? 1 : splits;
     /* per item: unnormalized o [group, D], m and l [group] */
     float* part = splits > 1 ? (float*)malloc(sizeof(float) * B * Hkv * splits * group * (D + 2)) : NULL;
@@ -412,11 +413,12 @@ int mw_paged_attention_run(const float* q, const void* k_cache, const void* v_ca
         for (int64_t it = 0; it < B * Hkv * splits; it++) {
             if (!ready) continue;
             const int64_t b = it / (Hkv * splits), h = (it / splits) % Hkv, sp = it % splits;
-            const int64_t len = seq_lens[b], chunk = (len + splits - 1) / splits;
-            const int64_t t0 = sp * chunk, t1 = t0 + chunk < len ? t0 + chunk : len;
+            const int64_t len = seq_lens[b];
+            const int64_t t0 = sp * SPLIT_KEYS, t1 = t0 + SPLIT_KEYS < len ? t0 + SPLIT_KEYS : len;
             const int64_t* table = block_tables + b * table_width;
             const float* qh = q + (b * H + h * group) * D;
-            if (splits == 1) {
+            if (len <= SPLIT_KEYS) {  /* one range: attended whole, normalized in place */
+                if (sp > 0) continue;
                 float* oh = out + (b * H + h * group) * D;
                 attend(qh, group, D, k_cache, v_cache, k_scales, v_scales, kv_type, table,
                        block_size, Hkv, h, 0, len, scale, scores, rows, scores + group * cap, oh,
@@ -447,6 +449,7 @@ int mw_paged_attention_run(const float* q, const void* k_cache, const void* v_ca
             #pragma omp for schedule(static)
             for (int64_t bh = 0; bh < B * Hkv; bh++) {
                 const int64_t b = bh / Hkv, h = bh % Hkv;
+                if (seq_lens[b] <= SPLIT_KEYS) continue;  /* written whole above */
                 float* oh = out + (b * H + h * group) * D;
                 for (int64_t j = 0; j < group; j++) {
                     float mx = -INFINITY, total = 0.f;

@@ -2,10 +2,13 @@
 q4/q8 layouts of layout.py: ``x`` float32 [M, K] (contiguous) -> ``y`` float32 [M, N].
 
     M = 0            an empty [0, N], no C call (a prefill chunk that needs no logits)
-    M = 1..128       int16 activations (AVX-512 builds: below ``tiles_from()``, 16 tokens a
-                     thread; from there the exact fp32 tiles, which are faster) (int_gemm.c: AVX2 vpmaddwd, AVX-512 VNNI vpdpwssd, plain
-                     C; int8_dot.c's int8-digit gemv for one token on AVX512-VNNI) while
-                     ``set_int_acts(True)`` (the default); else the exact fp32 row kernels
+    M = 1..8         on AVX512-VNNI: int8_dot.c's two int8 digits a value, each row as that
+                     token alone gets it (batch-invariant: speculative verification reproduces
+                     one-token decoding); elsewhere as below
+    M = 1..128       int16 activations (int_gemm.c: AVX2 vpmaddwd, AVX-512 VNNI vpdpwssd, plain
+                     C; AVX-512 builds: below ``tiles_from()``, 16 tokens a thread, from there
+                     the exact fp32 tiles, which are faster) while ``set_int_acts(True)`` (the
+                     default); else the exact fp32 row kernels
     M > 128          split bf16 on AMX (amx.py: three bf16 products, fp32 precision) where the
                      CPU has AMX and a probe measured it faster; else 16-token fp32 tiles, a tile
                      per thread (AVX-512 builds); elsewhere the weight is dequantized once and

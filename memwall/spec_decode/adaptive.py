@@ -1,0 +1,112 @@
+"""How many tokens each sequence drafts: as many as pay for their verification, given how
+often its drafts have been accepted and what extra rows cost a step on this machine.
+
+Model: each draft token is accepted with probability a (estimated per sequence), so k drafts
+yield E(k) = 1 + a + ... + a^k tokens in one step instead of 1. They also make the step
+C(B + k) instead of C(B) for a step of B sequences (``StepCost``, measured at start-up). At
+the step's current rate of B / C(B) tokens per second, the extra time would have bought
+(C(B + k) - C(B)) * B / C(B) tokens of plain decoding, so k is worth
+
+    gain(k) = E(k) - 1 - (C(B + k) - C(B)) * B / C(B)
+
+and the sequence drafts the k with the largest gain, or nothing when no k gains more than
+MIN_GAIN tokens. That is what keeps speculation from making open chat slower: a sequence
+whose drafts keep failing stops drafting. While it does not draft its estimate drifts back
+to the prior, so it tries again now and then (text changes: a chat turns to quoting code).
+
+The estimate is the maximum-likelihood one for that model, over decayed counts: every draft
+position examined is a trial (accepted ones, plus the first rejected one if any).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+PRIOR_RATE = 0.6  # acceptance assumed before any evidence (drafts exist only on a match)
+PRIOR_TRIALS = 2.0  # its weight, in draft positions
+DECAY = 0.8  # per verify: the estimate follows the last few steps
+IDLE_DECAY = 0.9  # per step without drafts: back towards the prior
+MIN_GAIN = 0.05  # tokens a step must gain for drafting to be worth its overhead
+
+
+class StepCost:
+    """Seconds a step of n one-token rows takes (linear between the measured sizes)."""
+
+    def __init__(self, seconds: dict[int, float]) -> None:
+        if not seconds or min(seconds) < 1:
+            raise ValueError(f"need step times for row counts >= 1, got {sorted(seconds)}")
+        self.sizes = sorted(seconds)
+        self.seconds = [seconds[n] for n in self.sizes]
+
+    def __call__(self, rows: int) -> float:
+        sizes, secs = self.sizes, self.seconds
+        if rows <= sizes[0]:
+            return secs[0] * rows / sizes[0]
+        i = bisect.bisect_left(sizes, rows)
+        if i == len(sizes):  # past the last size: the last measured slope goes on
+            lo, hi = (len(sizes) - 2, len(sizes) - 1) if len(sizes) > 1 else (0, 0)
+        else:
+            lo, hi = i - 1, i
+        if sizes[hi] == sizes[lo]:
+            return secs[lo] * rows / sizes[lo]
+        slope = (secs[hi] - secs[lo]) / (sizes[hi] - sizes[lo])
+        return secs[lo] + slope * (rows - sizes[lo])
+
+
+@dataclass
+class _Estimate:
+    accepted: float = PRIOR_RATE * PRIOR_TRIALS
+    trials: float = PRIOR_TRIALS
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.trials if self.trials > 0 else PRIOR_RATE
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """E(k) = 1 + a + ... + a^k: tokens a step yields with k drafts accepted at rate a."""
+    return float(sum(rate ** i for i in range(k + 1)))
+
+
+class DraftLengths:
+    """Per-sequence draft lengths (``adaptive=False``: always ``max_k``)."""
+
+    def __init__(self, max_k: int, cost: StepCost | None, adaptive: bool = True) -> None:
+        self.max_k, self.cost, self.adaptive = max_k, cost, adaptive and cost is not None
+        self._estimates: dict[str, _Estimate] = {}
+
+    def rate(self, request_id: str) -> float:
+        return self._estimates.get(request_id, _Estimate()).rate
+
+    def choose(self, request_id: str, batch: int) -> int:
+        """Drafts for this sequence's next step, in a step of ``batch`` sequences."""
+        if not self.adaptive:
+            return self.max_k
+        rate, batch = self.rate(request_id), max(1, batch)
+        base = self.cost(batch)
+        best_k, best_gain = 0, MIN_GAIN
+        for k in range(1, self.max_k + 1):
+            gain = expected_tokens(rate, k) - 1.0 - (self.cost(batch + k) - base) * batch / base
+            if gain > best_gain:
+                best_k, best_gain = k, gain
+        return best_k
+
+    def observe(self, request_id: str, drafted: int, accepted: int) -> None:
+        """A verify of ``drafted`` tokens accepted the first ``accepted`` of them."""
+        if drafted <= 0:
+            return
+        est = self._estimates.setdefault(request_id, _Estimate())
+        est.accepted = est.accepted * DECAY + accepted
+        est.trials = est.trials * DECAY + accepted + (1 if accepted < drafted else 0)
+
+    def idle(self, request_id: str) -> None:
+        """A step in which the sequence verified nothing: its evidence ages."""
+        est = self._estimates.get(request_id)
+        if est is not None:
+            est.accepted = est.accepted * IDLE_DECAY + PRIOR_RATE * PRIOR_TRIALS * (1 - IDLE_DECAY)
+            est.trials = est.trials * IDLE_DECAY + PRIOR_TRIALS * (1 - IDLE_DECAY)
+
+    def forget(self, request_ids) -> None:
+        for request_id in request_ids:
+            self._estimates.pop(request_id, None)

@@ -1,0 +1,65 @@
+"""Draft lengths: k follows acceptance and the measured cost of extra rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from memwall.spec_decode.adaptive import DraftLengths, StepCost, expected_tokens
+
+
+def test_step_cost_interpolates_and_extrapolates():
+    cost = StepCost({1: 1.0, 2: 1.5, 4: 2.0})
+    assert cost(1) == 1.0 and cost(2) == 1.5 and cost(4) == 2.0
+    assert cost(3) == pytest.approx(1.75)
+    assert cost(6) == pytest.approx(2.5)  # the last slope (0.25 a row) goes on
+    assert StepCost({2: 2.0})(1) == pytest.approx(1.0)
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_cheap_rows_and_good_acceptance_draft_the_most():
+    lengths = DraftLengths(4, StepCost({1: 1.0, 8: 1.35}))
+    for _ in range(5):
+        lengths.observe("a", 4, 4)
+    assert lengths.choose("a", batch=1) == 4
+
+
+def test_rejections_shrink_k_then_stop_drafting_then_retry_later():
+    lengths = DraftLengths(4, StepCost({1: 1.0, 2: 1.3, 5: 2.2}))
+    assert lengths.choose("a", batch=1) > 0  # the prior is optimistic
+    for _ in range(6):
+        lengths.observe("a", 4, 0)
+    assert lengths.rate("a") < 0.1
+    assert lengths.choose("a", batch=1) == 0
+    steps = 0
+    while lengths.choose("a", batch=1) == 0:
+        lengths.idle("a")
+        steps += 1
+        assert steps < 100
+    assert steps > 3  # not at once: a sequence that failed waits a while
+
+
+def test_expensive_rows_never_pay():
+    lengths = DraftLengths(4, StepCost({1: 1.0, 2: 2.0}))  # every row costs a full step
+    for _ in range(5):
+        lengths.observe("a", 4, 3)
+    assert lengths.choose("a", batch=1) == 0
+
+
+def test_big_batches_draft_less():
+    # compute-bound from 8 rows: an extra row costs 1/8 of a step there
+    lengths = DraftLengths(4, StepCost({1: 1.0, 4: 1.2, 8: 1.4, 64: 8.4}))
+    for _ in range(3):
+        lengths.observe("a", 4, 2)
+    assert lengths.choose("a", batch=1) > lengths.choose("a", batch=32)
+
+
+def test_not_adaptive_always_drafts_k():
+    lengths = DraftLengths(3, StepCost({1: 1.0, 2: 2.0}), adaptive=False)
+    lengths.observe("a", 3, 0)
+    assert lengths.choose("a", batch=16) == 3
+    assert DraftLengths(2, None).choose("b", 1) == 2
