@@ -184,13 +184,19 @@ MW_INLINE void kv_row(const void* row, int64_t D, int kt, float* out) {
 
 /* Attention of the `group` query heads that share KV head h over tokens t0..t1 of one
  * sequence: o [group, D] = sum_t exp(s_t - m) v_t, unnormalized, with m [group] the max score
- * and l [group] the sum of the weights (so ranges can be merged). Scratch: scores
- * [group, t1 - t0], rows [t1 - t0], rowbuf [D]. Inlined once per element type kt. */
+ * and l [group] the sum of the weights (so ranges can be merged). Query head j sees only the
+ * first limit[j] >= 1 of the range's keys (verification rows of one sequence attend together,
+ * each up to its own position): its scores past them are zero weights, so what it gets does
+ * not depend on the others. Every key's score comes from the same 8-key vector code (a last
+ * partial group is padded with its last key), so a head's result is the same bits whatever
+ * the range's length. Scratch: scores [group, t1 - t0], rows [t1 - t0 + 7], rowbuf [D].
+ * Inlined once per element type kt. */
 MW_INLINE void attend_range(const float* qh, int64_t group, int64_t D, const void* k_cache,
                             const void* v_cache, const float* k_scales, const float* v_scales,
                             int kt, const int64_t* table, int64_t block_size, int64_t Hkv,
-                            int64_t h, int64_t t0, int64_t t1, float scale, float* scores,
-                            int64_t* rows, float* rowbuf, float* o, float* m, float* l) {
+                            int64_t h, int64_t t0, int64_t t1, const int64_t* limit, float scale,
+                            float* scores, int64_t* rows, float* rowbuf, float* o, float* m,
+                            float* l) {
     const int64_t n = t1 - t0, row_bytes = D * kv_elem_size(kt);
     const int scaled = kt == MW_KV_I8;
     /* each token's (slot, head) row, walked block by block: an integer division per token
@@ -201,13 +207,14 @@ MW_INLINE void attend_range(const float* qh, int64_t group, int64_t D, const voi
             rows[i] = (table[blk] * block_size + off) * Hkv + h;
             if (++off == block_size) { off = 0; blk++; }
         }
+        for (int64_t i = n; i < n + 7; i++) rows[i] = rows[n - 1];  /* the padded keys */
     }
     const char* kb = (const char*)k_cache;
     const char* vb = (const char*)v_cache;
     int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     if (D % 8 == 0) {  /* 8 keys at a time: 8 partial-sum vectors a head, one reduction tree */
-        for (; i + 8 <= n; i += 8) {
+        for (; i < n; i += 8) {
             __m256 sc = _mm256_set1_ps(scale);
             if (scaled) {
                 const int64_t* r = rows + i;
@@ -228,8 +235,16 @@ MW_INLINE void attend_range(const float* qh, int64_t group, int64_t D, const voi
                     default: qk_key(qj, D, row, kt, 4, dots, k); break;
                     }
                 }
-                for (int64_t jj = 0; jj < jn; jj++)
-                    _mm256_storeu_ps(scores + (j0 + jj) * n + i, _mm256_mul_ps(hsum8x8(dots[jj]), sc));
+                for (int64_t jj = 0; jj < jn; jj++) {
+                    const __m256 s8 = _mm256_mul_ps(hsum8x8(dots[jj]), sc);
+                    if (i + 8 <= n) {
+                        _mm256_storeu_ps(scores + (j0 + jj) * n + i, s8);
+                    } else {  /* the padded group: its real keys only */
+                        float tail[8];
+                        _mm256_storeu_ps(tail, s8);
+                        memcpy(scores + (j0 + jj) * n + i, tail, sizeof(float) * (n - i));
+                    }
+                }
             }
         }
     }
@@ -241,12 +256,14 @@ MW_INLINE void attend_range(const float* qh, int64_t group, int64_t D, const voi
     }
     for (int64_t j = 0; j < group; j++) {
         float* sj = scores + j * n;
+        const int64_t nj = limit[j];
         float mx = -INFINITY;
-        for (int64_t u = 0; u < n; u++) mx = sj[u] > mx ? sj[u] : mx;
+        for (int64_t u = 0; u < nj; u++) mx = sj[u] > mx ? sj[u] : mx;
         m[j] = mx;
-        l[j] = exp_shift_sum(sj, n, mx);
+        l[j] = exp_shift_sum(sj, nj, mx);
         if (scaled)  /* l is the sum of the weights; the value rows' scales go into p */
-            for (int64_t u = 0; u < n; u++) sj[u] *= v_scales[rows[u]];
+            for (int64_t u = 0; u < nj; u++) sj[u] *= v_scales[rows[u]];
+        memset(sj + nj, 0, sizeof(float) * (n - nj));  /* keys past this head's position */
     }
     memset(o, 0, sizeof(float) * group * D);
 #if defined(__AVX2__) && defined(__FMA__)
@@ -286,10 +303,11 @@ MW_INLINE void attend_range(const float* qh, int64_t group, int64_t D, const voi
 static void attend(const float* qh, int64_t group, int64_t D, const void* k_cache,
                    const void* v_cache, const float* k_scales, const float* v_scales, int kt,
                    const int64_t* table, int64_t block_size, int64_t Hkv, int64_t h, int64_t t0,
-                   int64_t t1, float scale, float* scores, int64_t* rows, float* rowbuf,
-                   float* o, float* m, float* l) {
+                   int64_t t1, const int64_t* limit, float scale, float* scores, int64_t* rows,
+                   float* rowbuf, float* o, float* m, float* l) {
 #define ATTEND(KT) attend_range(qh, group, D, k_cache, v_cache, k_scales, v_scales, KT, table, \
-                                block_size, Hkv, h, t0, t1, scale, scores, rows, rowbuf, o, m, l)
+                                block_size, Hkv, h, t0, t1, limit, scale, scores, rows, rowbuf, \
+                                o, m, l)
     switch (kt) {
     case MW_KV_F16: ATTEND(MW_KV_F16); break;
     case MW_KV_BF16: ATTEND(MW_KV_BF16); break;
@@ -374,14 +392,28 @@ int mw_check_tables(const int64_t* block_tables, int64_t table_width, const int6
 /* One query token per sequence. q: [B, H, D]; out: [B, H, D]; block_tables: [B, table_width];
  * seq_lens: [B] (keys 0..len-1 are attended, including the token just written). The `group`
  * query heads that share a KV head are done together, so each key and value is read once.
- * Work items are (sequence, KV head, key range): contexts longer than SPLIT_KEYS are split
- * into ranges of SPLIT_KEYS keys, threads take them, and the ranges' partial softmax sums are
- * merged in order (flash-decoding's split-K). The ranges depend on the sequence's own length
- * only, never on the batch or the thread count, so a row's result is the same bits in any
- * batch: speculative verification (k + 1 rows of one sequence) then reproduces the one-token
- * steps exactly. Unchecked: mw_check_tables first (the decode step checks once for all its
- * layers). Returns MW_OK or MW_OUT_OF_MEMORY. */
+ * So are the rows of a verification run (speculative decoding puts the k + 1 tokens of one
+ * sequence in as rows with its block table and lengths len, len + 1, ...): their query heads
+ * attend together, each up to its own position, and the run reads its KV once, not k + 1 times.
+ * Work items are (run, KV head, key range): contexts longer than SPLIT_KEYS are split into
+ * ranges of SPLIT_KEYS keys, threads take them, and the ranges' partial softmax sums are
+ * merged in order (flash-decoding's split-K). The ranges depend on the row's own length only,
+ * never on the batch, its runs or the thread count, so a row's result is the same bits in any
+ * batch: verification reproduces the one-token steps exactly. Unchecked: mw_check_tables
+ * first (the decode step checks once for all its layers). Returns MW_OK or MW_OUT_OF_MEMORY. */
 #define SPLIT_KEYS 128
+#define MAX_RUN 17  /* rows a run takes at most: 1 + the most drafts a step verifies (16) */
+
+/* rows b and b + 1 of a run: the next length, the same blocks, and the same side of
+   SPLIT_KEYS (a row attended whole is normalized in place, a split one merged later) */
+static int continues_run(const int64_t* tables, int64_t width, const int64_t* lens, int64_t b,
+                         int64_t block_size) {
+    if (lens[b + 1] != lens[b] + 1 || (lens[b] > SPLIT_KEYS) != (lens[b + 1] > SPLIT_KEYS))
+        return 0;
+    const int64_t used = (lens[b + 1] + block_size - 1) / block_size;
+    return memcmp(tables + b * width, tables + (b + 1) * width, sizeof(int64_t) * used) == 0;
+}
+
 int mw_paged_attention_run(const float* q, const void* k_cache, const void* v_cache,
                            const float* k_scales, const float* v_scales, int kv_type,
                            const int64_t* block_tables, int64_t table_width,
@@ -393,55 +425,103 @@ int mw_paged_attention_run(const float* q, const void* k_cache, const void* v_ca
     for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     int64_t splits = (max_len + SPLIT_KEYS - 1) / SPLIT_KEYS;  /* ranges of the longest row */
     splits = splits < 1 ? 1 : splits;
-    /* per item: unnormalized o [group, D], m and l [group] */
+    /* runs: first row and row count; per split item: unnormalized o [group, D], m and l [group] */
+    int64_t* run_first = (int64_t*)malloc(sizeof(int64_t) * 2 * B);
     float* part = splits > 1 ? (float*)malloc(sizeof(float) * B * Hkv * splits * group * (D + 2)) : NULL;
-    if (splits > 1 && !part) splits = 1;
+    if (!run_first || (splits > 1 && !part)) {
+        free(run_first);
+        free(part);
+        return MW_OUT_OF_MEMORY;
+    }
+    int64_t* run_rows = run_first + B;
+    int64_t runs = 0;
+    for (int64_t b = 0; b < B;) {
+        int64_t r = 1;
+        while (b + r < B && r < MAX_RUN &&
+               continues_run(block_tables, table_width, seq_lens, b + r - 1, block_size))
+            r++;
+        run_first[runs] = b, run_rows[runs] = r, runs++;
+        b += r;
+    }
     int failed = 0;  /* set when a thread could not get its scratch (then out is not valid) */
     #pragma omp parallel
     {
-        /* attend_range's scratch: scores [group, len], rows [len], rowbuf [D] */
-        const int64_t cap = max_len > 0 ? max_len : 1;
-        float* scores = (float*)malloc(sizeof(float) * (group * cap + D));
-        int64_t* rows = (int64_t*)malloc(sizeof(int64_t) * cap);
-        float* ml = (float*)malloc(sizeof(float) * 2 * group);
-        const int ready = scores && rows && ml;
+        /* a run's query heads side by side: qs [G, D], o [G, D], m, l, limit [G]
+           (G = MAX_RUN * group); attend_range's scratch for a range of at most `span` keys:
+           scores [G, span] then rowbuf [D], rows [span + 7] */
+        const int64_t span = max_len < SPLIT_KEYS ? max_len : SPLIT_KEYS;
+        const int64_t G = MAX_RUN * group;
+        float* scores = (float*)malloc(sizeof(float) * (G * span + D));
+        int64_t* rows = (int64_t*)malloc(sizeof(int64_t) * (span + 8));
+        float* qs = (float*)malloc(sizeof(float) * G * (2 * D + 2));
+        int64_t* limit = (int64_t*)malloc(sizeof(int64_t) * G);
+        const int ready = scores && rows && qs && limit;
         if (!ready) {
             #pragma omp atomic write
             failed = 1;
         }
+        float *o = qs + G * D, *ml = o + G * D;
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < B * Hkv * splits; it++) {
+        for (int64_t it = 0; it < runs * Hkv * splits; it++) {
             if (!ready) continue;
-            const int64_t b = it / (Hkv * splits), h = (it / splits) % Hkv, sp = it % splits;
-            const int64_t len = seq_lens[b];
-            const int64_t t0 = sp * SPLIT_KEYS, t1 = t0 + SPLIT_KEYS < len ? t0 + SPLIT_KEYS : len;
-            const int64_t* table = block_tables + b * table_width;
-            const float* qh = q + (b * H + h * group) * D;
-            if (len <= SPLIT_KEYS) {  /* one range: attended whole, normalized in place */
-                if (sp > 0) continue;
-                float* oh = out + (b * H + h * group) * D;
-                attend(qh, group, D, k_cache, v_cache, k_scales, v_scales, kv_type, table,
-                       block_size, Hkv, h, 0, len, scale, scores, rows, scores + group * cap, oh,
-                       ml, ml + group);
-                for (int64_t j = 0; j < group; j++) {
-                    const float inv = 1.f / ml[group + j];
-                    for (int64_t d = 0; d < D; d++) oh[j * D + d] *= inv;
-                }
-            } else {
-                float* o = part + it * group * (D + 2);
-                float* m = o + group * D;
-                if (t0 >= t1) {  /* an empty range (short sequence): contributes nothing */
+            const int64_t run = it / (Hkv * splits), h = (it / splits) % Hkv, sp = it % splits;
+            const int64_t b0 = run_first[run], r = run_rows[run];
+            const int64_t last = seq_lens[b0 + r - 1];
+            const int whole = last <= SPLIT_KEYS;  /* every row of the run, as continues_run */
+            const int64_t t0 = sp * SPLIT_KEYS, t1 = t0 + SPLIT_KEYS < last ? t0 + SPLIT_KEYS : last;
+            if (whole && sp > 0) continue;
+            if (t0 >= t1) {  /* an empty range (a shorter run): contributes nothing */
+                for (int64_t i = 0; i < r; i++) {
+                    float* m = part + (((b0 + i) * Hkv + h) * splits + sp) * group * (D + 2) + group * D;
                     for (int64_t j = 0; j < group; j++) { m[j] = -INFINITY; m[group + j] = 0.f; }
+                }
+                continue;
+            }
+            /* the rows whose range this is not empty, and how far each head may look */
+            int64_t live = 0;
+            for (int64_t i = 0; i < r; i++) {
+                const int64_t len = seq_lens[b0 + i];
+                const int64_t end = t0 + SPLIT_KEYS < len ? t0 + SPLIT_KEYS : len;
+                if (end <= t0) continue;
+                memcpy(qs + live * group * D, q + ((b0 + i) * H + h * group) * D,
+                       sizeof(float) * group * D);
+                for (int64_t j = 0; j < group; j++) limit[live * group + j] = end - t0;
+                live++;
+            }
+            /* the last row's table: every row's blocks are a prefix of it (continues_run) */
+            const int64_t* table = block_tables + (b0 + r - 1) * table_width;
+            attend(qs, live * group, D, k_cache, v_cache, k_scales, v_scales, kv_type, table,
+                   block_size, Hkv, h, t0, t1, limit, scale, scores, rows, scores + G * span, o,
+                   ml, ml + G);
+            for (int64_t i = 0, k = 0; i < r; i++) {
+                const int64_t len = seq_lens[b0 + i];
+                if (whole) {  /* one range: normalized in place */
+                    float* oh = out + ((b0 + i) * H + h * group) * D;
+                    for (int64_t j = 0; j < group; j++) {
+                        const float inv = 1.f / ml[G + k * group + j];
+                        for (int64_t d = 0; d < D; d++) oh[j * D + d] = o[(k * group + j) * D + d] * inv;
+                    }
+                    k++;
                     continue;
                 }
-                attend(qh, group, D, k_cache, v_cache, k_scales, v_scales, kv_type, table,
-                       block_size, Hkv, h, t0, t1, scale, scores, rows, scores + group * cap, o,
-                       m, m + group);
+                float* po = part + (((b0 + i) * Hkv + h) * splits + sp) * group * (D + 2);
+                float* pm = po + group * D;
+                if (len <= t0) {  /* past this row's end */
+                    for (int64_t j = 0; j < group; j++) { pm[j] = -INFINITY; pm[group + j] = 0.f; }
+                    continue;
+                }
+                memcpy(po, o + k * group * D, sizeof(float) * group * D);
+                for (int64_t j = 0; j < group; j++) {
+                    pm[j] = ml[k * group + j];
+                    pm[group + j] = ml[G + k * group + j];
+                }
+                k++;
             }
         }
         free(scores);
         free(rows);
-        free(ml);
+        free(qs);
+        free(limit);
         int any_failed;  /* the same for every thread: set before the loop's closing barrier */
         #pragma omp atomic read
         any_failed = failed;
@@ -472,6 +552,7 @@ int mw_paged_attention_run(const float* q, const void* k_cache, const void* v_ca
             }
         }
     }
+    free(run_first);
     free(part);
     return failed ? MW_OUT_OF_MEMORY : MW_OK;
 }
