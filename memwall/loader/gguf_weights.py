@@ -24,7 +24,8 @@ from memwall.loader.errors import ModelLoadError
 
 QK_K = 256
 
-SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
+                        "Q6_K")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -75,6 +76,29 @@ def _q4_1(b: torch.Tensor) -> torch.Tensor:
     d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
     q = _nibbles(b[:, 4:], 16).reshape(b.shape[0], 32).float()
     return d * q + m
+
+
+def q5_codes(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """Q5_0/Q5_1's 5-bit codes 0..31 [n, 32]: the low 4 bits as Q4_0's nibbles, bit 4 of value j
+    is bit j of the little-endian 32-bit qh."""
+    lo = _nibbles(qs, 16).reshape(qs.shape[0], 32)
+    hi = _bits(qh, range(8), 0x01, 4).permute(0, 1, 3, 2).reshape(qh.shape[0], 32)
+    return lo | (hi << 4)
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    """Q5_0, 22 bytes:  | d f16 | qh 4 bytes (bit j: bit 4 of value j) | qs 16 (as Q4_0) |
+
+    value = d * (q - 16)
+    """
+    d = _f16(b[:, :2])
+    return d * (q5_codes(b[:, 2:6], b[:, 6:]).to(torch.int8) - 16).float()
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    """Q5_1, 24 bytes:  | d f16 | m f16 | qh 4 | qs 16 |   value = d * q + m"""
+    d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
+    return d * q5_codes(b[:, 4:8], b[:, 8:]).float() + m
 
 
 # --------------------------------------------------------------------------- K-quants (256 values a super-block)
@@ -147,6 +171,8 @@ _BLOCK_KERNELS: dict[QType, Callable[[torch.Tensor], torch.Tensor]] = {
     QType.Q8_0: _q8_0,
     QType.Q4_0: _q4_0,
     QType.Q4_1: _q4_1,
+    QType.Q5_0: _q5_0,
+    QType.Q5_1: _q5_1,
     QType.Q4_K: _q4_k,
     QType.Q5_K: _q5_k,
     QType.Q6_K: _q6_k,

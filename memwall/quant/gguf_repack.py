@@ -4,13 +4,17 @@ Two backends (``backend=`` "auto" picks native when memwall/kernels/cpu could be
 
 native (fp32, exact): every weight is rebuilt as s * q + c with ggml's own fp32 arithmetic
     Q4_0 / Q4_1 / Q4_K  -> NativeQ4: 4-bit codes, s and c per 32 values      0.75 B/weight
-    Q5_K / Q8_0         -> NativeQ8: int8 codes, s and c per 32 values       1.25 B/weight
+    Q5_0 / Q5_1 / Q5_K  -> NativeQ8: int8 codes, s and c per 32 values       1.25 B/weight
+    Q8_0                -> NativeQ8 (as above)
     Q6_K                -> NativeQ8: int8 codes (q - 32), s per 16 values    1.5  B/weight
 
 torch (torch's bf16 ops; int4 planes are  w = (code - 8) * scale + zero, group 32):
     type  ggml value                     int4 plane(s)                               exact?
     Q4_0  d * (q - 8)                    code q, scale d, zero 0                      yes*
     Q4_1  d * q + m                      code q, scale d, zero m + 8d                 yes*
+    Q5_0  d * (q - 16), q = lo + 16 hi   plane lo: code lo, scale d, zero 8d;         yes*
+                                         plane hi: code hi + 8, scale 16d, zero -16d
+    Q5_1  d * q + m                      as Q5_0, plane lo's zero 8d + m, hi's 0      yes*
     Q4_K  d*sc[j] * q - dmin*mn[j]       code q, scale d*sc, zero 8*d*sc - dmin*mn    yes*
     Q5_K  as Q4_K with a 5th bit h       plane lo as Q4_K; plane hi: code h + 8,      yes*
                                          scale 16*d*sc, zero 0
@@ -37,7 +41,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 
 from memwall.loader.gguf_loader import hf_tensor_name, unpermute_qk
-from memwall.loader.gguf_weights import QK_K, _bits, _f16, _k_scales_mins, _nibbles, dequantize
+from memwall.loader.gguf_weights import (QK_K, _bits, _f16, _k_scales_mins, _nibbles, dequantize,
+                                         q5_codes)
 from memwall.quant.base import QuantWeights
 from memwall.quant.int4_cpu import Int4WeightOnly, NativeQ4
 from memwall.quant.int8_cpu import Int8WeightOnly, NativeQ8
@@ -60,6 +65,22 @@ def _q4_1(b: torch.Tensor) -> Planes:
     d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
     q = _nibbles(b[:, 4:], 16).reshape(b.shape[0], 32)
     return q[None], d[None], (m + 8 * d)[None]
+
+
+def _q5_planes(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Planes:
+    """d * q + m for 5-bit codes q: the low 4 bits and the 5th as two int4 planes."""
+    lo, hi = q & 15, (q >> 4) + 8
+    return (torch.stack([lo, hi]), torch.stack([d, 16 * d]),
+            torch.stack([8 * d + m, torch.zeros_like(d)]))
+
+
+def _q5_0(b: torch.Tensor) -> Planes:
+    d = _f16(b[:, :2])
+    return _q5_planes(q5_codes(b[:, 2:6], b[:, 6:]), d, -16 * d)
+
+
+def _q5_1(b: torch.Tensor) -> Planes:
+    return _q5_planes(q5_codes(b[:, 4:8], b[:, 8:]), _f16(b[:, :2]), _f16(b[:, 2:4]))
 
 
 def _k_scale_zero(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +115,8 @@ def _q8_0(b: torch.Tensor) -> Planes:
 
 
 _PLANES: dict[QType, Callable[[torch.Tensor], Planes]] = {
-    QType.Q4_0: _q4_0, QType.Q4_1: _q4_1, QType.Q4_K: _q4_k, QType.Q5_K: _q5_k, QType.Q8_0: _q8_0,
+    QType.Q4_0: _q4_0, QType.Q4_1: _q4_1, QType.Q5_0: _q5_0, QType.Q5_1: _q5_1, QType.Q4_K: _q4_k,
+    QType.Q5_K: _q5_k, QType.Q8_0: _q8_0,
 }
 REPACKABLE = (*_PLANES, QType.Q6_K)
 
@@ -113,6 +135,15 @@ def _n_q4_0(b: torch.Tensor) -> Codes:
 
 def _n_q4_1(b: torch.Tensor) -> Codes:
     return _nibbles(b[:, 4:], 16).reshape(b.shape[0], 32), _f16(b[:, :2]), _f16(b[:, 2:4])
+
+
+def _n_q5_0(b: torch.Tensor) -> Codes:
+    d = _f16(b[:, :2])
+    return q5_codes(b[:, 2:6], b[:, 6:]).to(torch.int8) - 16, d, torch.zeros_like(d)
+
+
+def _n_q5_1(b: torch.Tensor) -> Codes:
+    return q5_codes(b[:, 4:8], b[:, 8:]).to(torch.int8), _f16(b[:, :2]), _f16(b[:, 2:4])
 
 
 def _n_k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,8 +178,8 @@ def _n_q6_k(b: torch.Tensor) -> Codes:
 
 
 _NATIVE: dict[QType, Callable[[torch.Tensor], Codes]] = {
-    QType.Q4_0: _n_q4_0, QType.Q4_1: _n_q4_1, QType.Q4_K: _n_q4_k,
-    QType.Q5_K: _n_q5_k, QType.Q8_0: _n_q8_0, QType.Q6_K: _n_q6_k,
+    QType.Q4_0: _n_q4_0, QType.Q4_1: _n_q4_1, QType.Q5_0: _n_q5_0, QType.Q5_1: _n_q5_1,
+    QType.Q4_K: _n_q4_k, QType.Q5_K: _n_q5_k, QType.Q8_0: _n_q8_0, QType.Q6_K: _n_q6_k,
 }
 _NATIVE_4BIT = (QType.Q4_0, QType.Q4_1, QType.Q4_K)
 

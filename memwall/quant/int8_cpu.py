@@ -69,7 +69,7 @@ class Int8WeightOnly(QuantMethod):
 class NativeQ8(QuantMethod):
     """8-bit codes with a float scale and offset per group of ``G`` inputs (w = s * q + c),
     computed in fp32 by memwall/kernels/cpu. For float checkpoints G = in_features
-    (per-channel); GGUF Q8_0/Q5_K use G = 32 and Q6_K G = 16, exactly."""
+    (per-channel); GGUF Q8_0/Q5_0/Q5_1/Q5_K use G = 32 and Q6_K G = 16, exactly."""
 
     name = "int8"
 

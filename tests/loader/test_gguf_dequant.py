@@ -15,9 +15,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, quants
 from memwall.loader.errors import ModelLoadError
 from memwall.loader.gguf_weights import SUPPORTED_GGUF_TYPES, dequantize
 
-QUANTIZED = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+QUANTIZED = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 # byte offsets of each block's fp16 scale fields (d, and dmin/m where the type has one)
-F16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
+F16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q4_K: [0, 2],
+              Q.Q5_K: [0, 2], Q.Q6_K: [208]}
 
 
 def random_blocks(qtype: Q, rows: int, blocks_per_row: int, seed: int) -> np.ndarray:
@@ -41,17 +42,18 @@ def assert_matches_reference(raw: np.ndarray, qtype: Q, shape: tuple[int, ...]) 
 
 
 def test_supported_types_are_the_documented_ones():
-    assert set(SUPPORTED_GGUF_TYPES) == {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"}
+    assert set(SUPPORTED_GGUF_TYPES) == {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K",
+                                         "Q5_K", "Q6_K"}
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)
 def test_legacy_quants_from_quantized_floats(qtype):
     rng = np.random.default_rng(7)
     floats = (rng.standard_normal((8, 96)) * 0.3).astype(np.float32)
     raw = quants.quantize(floats, qtype)
     ours = assert_matches_reference(raw, qtype, floats.shape)
     # and the quantization really round-trips: error within one quantization step
-    step = np.abs(floats).max() / (127 if qtype == Q.Q8_0 else 7)
+    step = np.abs(floats).max() / {Q.Q8_0: 127, Q.Q5_0: 15, Q.Q5_1: 15}.get(qtype, 7)
     assert np.abs(ours.numpy() - floats).max() <= step
 
 
@@ -110,7 +112,7 @@ def test_bf16_in_every_raw_form():
     assert np.abs(ref - floats).max() <= np.abs(floats).max() / 128
 
 
-@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.IQ2_XXS, Q.Q2_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.Q2_K, Q.Q3_K], ids=lambda q: q.name)
 def test_unsupported_type_is_named(qtype):
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     with pytest.raises(ModelLoadError, match=qtype.name) as err:

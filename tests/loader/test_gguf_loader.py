@@ -95,8 +95,9 @@ def write_gguf(path: Path, weights: dict[str, tuple], *, arch: str = "llama", na
             array = converter_permute(array, HEADS if ".attn_q." in gname else KV_HEADS)
         if qtype in (Q.F32, Q.F16):
             w.add_tensor(gname, gguf.quants.quantize(array, qtype))
-        else:
-            w.add_tensor(gname, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:  # uint8: blocks already in qtype's bytes (a type gguf-py cannot quantize to)
+            data = array if array.dtype == np.uint8 else gguf.quants.quantize(array, qtype)
+            w.add_tensor(gname, data, raw_dtype=qtype)
     for gname, array in (extra_tensors or {}).items():
         w.add_tensor(gname, array)
     w.write_header_to_file()
@@ -200,10 +201,13 @@ def test_unsupported_architecture(tmp_path):
 def test_unsupported_tensor_type_names_tensor_and_type(tmp_path):
     weights = hf_weights()
     key = "model.layers.1.mlp.up_proj.weight"
-    weights[key] = (weights[key][0], Q.Q5_0, weights[key][2])
+    rows, cols = weights[key][0].shape
+    block, type_size = gguf.GGML_QUANT_SIZES[Q.IQ4_NL]
+    raw = np.zeros((rows, cols // block * type_size), np.uint8)  # zero blocks of a type we lack
+    weights[key] = (raw, Q.IQ4_NL, weights[key][2])
     reader = open_gguf(write_gguf(tmp_path / "m.gguf", weights))
     tensors = iter_gguf_tensors(reader, gguf_hf_config(reader))
-    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up\.weight.*Q5_0") as err:
+    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up\.weight.*IQ4_NL") as err:
         next(tensors)  # fails before decoding anything
     assert all(t in str(err.value) for t in SUPPORTED_GGUF_TYPES)
 

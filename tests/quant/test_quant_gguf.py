@@ -21,8 +21,9 @@ from memwall.quant.base import QuantLinear
 from memwall.quant.gguf_repack import gguf_quantized_linears, repack
 from memwall.quant.int4_cpu import _layout, dequantize_int4
 
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q8_0, Q.Q6_K]
-F16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q8_0, Q.Q6_K]
+F16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q4_K: [0, 2],
+              Q.Q5_K: [0, 2], Q.Q6_K: [208]}
 BACKENDS = ["torch", pytest.param("native", marks=pytest.mark.skipif(
     not quant_ops.available(), reason="no C compiler for the native kernels"))]
 
@@ -54,7 +55,7 @@ def test_repacked_linear_matches_reference_dequant(qtype, backend, tokens):
     assert rel_err(layer(x), F.linear(x, w)) < tol
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q8_0], ids=lambda q: q.name)
 def test_torch_planes_are_exact_up_to_bf16_scales(qtype):
     """Each weight is off by at most the bf16 rounding of its group's scale and zero."""
     if _layout() is None:
