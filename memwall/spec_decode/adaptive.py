@@ -7,9 +7,11 @@ C(B + k) instead of C(B) for a step of B sequences (``StepCost``, measured at st
 the step's current rate of B / C(B) tokens per second, the extra time would have bought
 (C(B + k) - C(B)) * B / C(B) tokens of plain decoding, so k is worth
 
-    gain(k) = E(k) - 1 - (C(B + k) - C(B)) * B / C(B)
+    gain(k) = E(k) - 1 - (C(B + k) - C(B) + D(k)) * B / C(B)
 
-and the sequence drafts the k with the largest gain, or nothing when no k gains more than
+where D(k) is what drafting costs the sequence: nothing for prompt lookup; for a draft model,
+k of its steps, each the drafter's measured time for a step of B rows shared by the B
+sequences (D(k) = k * Cd(B) / B). The sequence drafts the k with the largest gain, or nothing when no k gains more than
 MIN_GAIN tokens. That is what keeps speculation from making open chat slower: a sequence
 whose drafts keep failing stops drafting. While it does not draft its estimate drifts back
 to the prior, so it tries again now and then (text changes: a chat turns to quoting code).
@@ -72,8 +74,11 @@ def expected_tokens(rate: float, k: int) -> float:
 class DraftLengths:
     """Per-sequence draft lengths (``adaptive=False``: always ``max_k``)."""
 
-    def __init__(self, max_k: int, cost: StepCost | None, adaptive: bool = True) -> None:
+    def __init__(self, max_k: int, cost: StepCost | None, adaptive: bool = True,
+                 draft_cost: StepCost | None = None) -> None:
+        """``cost``: the target's step of n rows; ``draft_cost``: the drafter's (None: free)."""
         self.max_k, self.cost, self.adaptive = max_k, cost, adaptive and cost is not None
+        self.draft_cost = draft_cost
         self._estimates: dict[str, _Estimate] = {}
 
     def rate(self, request_id: str) -> float:
@@ -86,8 +91,10 @@ class DraftLengths:
         rate, batch = self.rate(request_id), max(1, batch)
         base = self.cost(batch)
         best_k, best_gain = 0, MIN_GAIN
+        drafting = self.draft_cost(batch) / batch if self.draft_cost is not None else 0.0
         for k in range(1, self.max_k + 1):
-            gain = expected_tokens(rate, k) - 1.0 - (self.cost(batch + k) - base) * batch / base
+            extra = self.cost(batch + k) - base + k * drafting
+            gain = expected_tokens(rate, k) - 1.0 - extra * batch / base
             if gain > best_gain:
                 best_k, best_gain = k, gain
         return best_k

@@ -95,14 +95,18 @@ class ModelRunner:
     def _draft_lengths(self, spec: SpeculativeConfig, max_num_seqs: int) -> DraftLengths:
         """Adaptive lengths weigh drafts against this machine's measured step cost (CPU; a GPU
         step's cost is not measured here, so it drafts ``num_speculative_tokens`` always)."""
-        cost = None
+        cost = draft_cost = None
         if spec.adaptive and self.device.type == "cpu":
             most = max_num_seqs + spec.num_speculative_tokens
             sizes = sorted({n for n in (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32) if n <= most}
                            | {min(most, 1 + spec.num_speculative_tokens)})
             from memwall.worker.step_shape import measure_row_costs
             cost = StepCost(measure_row_costs(self.model, tuple(sizes)))
-        return DraftLengths(spec.num_speculative_tokens, cost, spec.adaptive)
+            drafter = getattr(self.proposer, "model", None)  # a draft model's own steps
+            if drafter is not None:
+                draft_sizes = tuple(n for n in sizes if n <= max_num_seqs) or (1,)
+                draft_cost = StepCost(measure_row_costs(drafter, draft_sizes))
+        return DraftLengths(spec.num_speculative_tokens, cost, spec.adaptive, draft_cost)
 
     def describe(self) -> str:
         if self.device.type != "cuda":
@@ -119,8 +123,11 @@ class ModelRunner:
         cost = self.draft_lengths.cost
         if cost is not None and self.draft_lengths.adaptive:
             k = self.spec.num_speculative_tokens
-            text += (f" (adaptive: a step of {1 + k} rows costs {cost(1 + k) / cost(1):.2f}x one "
-                     "row here)")
+            text += f" (adaptive: a step of {1 + k} rows costs {cost(1 + k) / cost(1):.2f}x one row"
+            draft = self.draft_lengths.draft_cost
+            if draft is not None:
+                text += f", a draft token {draft(1) / cost(1):.2f}x"
+            text += " here)"
         return text
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> list[int]:

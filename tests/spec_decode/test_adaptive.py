@@ -63,3 +63,17 @@ def test_not_adaptive_always_drafts_k():
     lengths.observe("a", 3, 0)
     assert lengths.choose("a", batch=16) == 3
     assert DraftLengths(2, None).choose("b", 1) == 2
+
+
+def test_a_draft_models_own_steps_count_against_it():
+    """Same verification cost and acceptance: a free drafter (prompt lookup) drafts 4, one
+    whose step costs 0.4 of the target's drafts fewer, one costing 0.9 not at all."""
+    target = StepCost({1: 1.0, 8: 1.35})
+    choices = []
+    for relative in (None, 0.4, 0.9):
+        draft = StepCost({1: relative, 8: relative * 1.35}) if relative is not None else None
+        lengths = DraftLengths(4, target, draft_cost=draft)
+        for _ in range(5):
+            lengths.observe("a", 4, 3)  # 75%
+        choices.append(lengths.choose("a", batch=1))
+    assert choices[0] == 4 and 0 < choices[1] < 4 and choices[2] == 0
