@@ -47,6 +47,20 @@ static inline int64_t q4_position(int64_t K, int64_t b, int j) {
     return base + (j < 16 ? i * 16 + j : nb * 16 + i * 16 + (j - 16));
 }
 
+/* block b's two 16-value sums (in units of d / 256) into the per-group sums of the quantized
+ * activations: G = 16 and 32 one or two groups a block, G % 64 == 0 several blocks a group */
+static inline void group_sums(float* gsum, int64_t b, int64_t G, float unit, const int64_t sums[2]) {
+    if (G == 16) {
+        gsum[b * 2] = unit * (float)sums[0];
+        gsum[b * 2 + 1] = unit * (float)sums[1];
+    } else if (G == 32) {
+        gsum[b] = unit * (float)(sums[0] + sums[1]);
+    } else {
+        if ((b * 32) % G == 0) gsum[b * 32 / G] = 0.f;
+        gsum[b * 32 / G] += unit * (float)(sums[0] + sums[1]);
+    }
+}
+
 /* x [K] -> signed digit codes hi, lo [K] (q4 order, above, or natural order for q8),
  * per-lane scales dlane [K/4] (d / 256 of the block each 4-value lane belongs to),
  * per-group sums gsum [K/G] of the quantized activations, and for q8 rows (whose signed
@@ -72,16 +86,7 @@ static void quantize_x(const float* x, int64_t K, int q4_order, int64_t G, int8_
             if (xcorr) xcorr[pos / 4] += 128 * (256 * h + l);
             if (pos % 4 == 0) dlane[pos / 4] = d / 256.f;
         }
-        const float unit = d / 256.f;
-        if (G == 16) {
-            gsum[b * 2] = unit * (float)sums[0];
-            gsum[b * 2 + 1] = unit * (float)sums[1];
-        } else if (G == 32) {
-            gsum[b] = unit * (float)(sums[0] + sums[1]);
-        } else {  /* G % 64 == 0: several blocks a group */
-            if ((b * 32) % G == 0) gsum[b * 32 / G] = 0.f;
-            gsum[b * 32 / G] += unit * (float)(sums[0] + sums[1]);
-        }
+        group_sums(gsum, b, G, d / 256.f, sums);
     }
 }
 
@@ -296,15 +301,7 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, int q4, int64_t 
                 a[i] = _mm512_add_epi32(_mm512_slli_epi32(h8, 8), l);
             }
             const float unit = d / 256.f;
-            if (G == 16) {
-                gsum[b * 2] = unit * (float)sums[0];
-                gsum[b * 2 + 1] = unit * (float)sums[1];
-            } else if (G == 32) {
-                gsum[b] = unit * (float)(sums[0] + sums[1]);
-            } else {
-                if ((b * 32) % G == 0) gsum[b * 32 / G] = 0.f;
-                gsum[b * 32 / G] += unit * (float)(sums[0] + sums[1]);
-            }
+            group_sums(gsum, b, G, unit, sums);
             /* where the block's words and lane scales go (see qrows) */
             const __m256i p0 = evens_odds(a[0]), p1 = evens_odds(a[1]);
             const __m128 dv = _mm_set1_ps(unit);
