@@ -16,6 +16,8 @@ Proposers sit behind one small ABC (proposer.py):
     draft_model   draft_model.py  a smaller model with the target's tokenizer, k greedy steps
                                   over its own paged KV cache (the worker loads the model and
                                   allocates that cache, then builds it)
+    eagle         eagle.py        the EAGLE-1/2 head and its checkpoint loader; the proposer
+                                  that feeds it the target's features is not built yet
 """
 
 from __future__ import annotations
