@@ -16,8 +16,8 @@ Proposers sit behind one small ABC (proposer.py):
     draft_model   draft_model.py  a smaller model with the target's tokenizer, k greedy steps
                                   over its own paged KV cache (the worker loads the model and
                                   allocates that cache, then builds it)
-    eagle         eagle.py        the EAGLE-1/2 head and its checkpoint loader; the proposer
-                                  that feeds it the target's features is not built yet
+    eagle         eagle.py        an EAGLE-1/2 head (published checkpoint layout) over the
+                                  target's hidden states, which the runner hands it each step
 """
 
 from __future__ import annotations
@@ -31,10 +31,7 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
     if config.method == "ngram":
         from memwall.spec_decode.ngram import NgramProposer
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    if config.method == "draft_model":
-        raise ValueError("a draft_model proposer is built by the worker, which loads its model")
-    raise ValueError(f"speculative method {config.method!r} is not available in this build yet; "
-                     "use \"ngram\" or \"draft_model\"")
+    raise ValueError(f"a {config.method} proposer is built by the worker, which loads its model")
 
 
 __all__ = ["DraftRequest", "Proposer", "make_proposer"]

@@ -14,15 +14,17 @@ Published checkpoints (e.g. yuhuili/EAGLE-llama2-chat-7B) are a directory with a
 layer 0), in ``model.safetensors`` or ``pytorch_model.bin``. ``load_eagle_head`` reads that
 layout; ``benchmarks/train_eagle.py`` is to write it.
 
-This module is the head itself; the proposer that feeds it the target's features step by step
-is not built yet (issue 15).
+``EagleProposer`` drafts with it: the runner hands it the target's final hidden states every
+step (``Proposer.record``), its paged cache catches up on them, then it drafts k greedy tokens.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -30,6 +32,7 @@ from memwall.attention.metadata import AttentionMetadata
 from memwall.config import ModelArchConfig
 from memwall.layers.rotary import RotaryEmbedding
 from memwall.models.llama import DecoderLayer, KVCache
+from memwall.spec_decode.proposer import DraftRequest, Proposer
 
 UNUSED = ("embed_tokens.weight", "layers.0.input_layernorm.weight")
 
@@ -103,3 +106,163 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
         raise EagleHeadError(f"{path} has neither model.safetensors nor pytorch_model.bin")
     # some exports prefix the names as a submodule of the target ("model.")
     return {name.removeprefix("model."): tensor.float() for name, tensor in weights.items()}
+
+
+@dataclass
+class _Features:
+    base: int
+    """The first position with a feature (0, unless the prompt's start came from the prefix
+    cache: the target never computed those positions, and the head starts after them)."""
+    rows: list[torch.Tensor] = field(default_factory=list)
+    count: int = 0
+
+    def append(self, start: int, features: torch.Tensor) -> bool:
+        """False when ``start`` does not continue what is held (the caller starts afresh)."""
+        end = self.base + self.count
+        if start > end or start < self.base:
+            return False
+        if start < end:  # positions computed again (a rewound sequence): keep the new ones
+            self._truncate(start - self.base)
+        self.rows.append(features.detach().float().clone())
+        self.count += features.shape[0]
+        return True
+
+    def _truncate(self, keep: int) -> None:
+        joined = torch.cat(self.rows)[:keep] if self.rows else torch.empty(0)
+        self.rows, self.count = ([joined] if keep else []), keep
+
+    def slice(self, lo: int, hi: int) -> torch.Tensor:
+        """Features of positions lo .. hi - 1."""
+        if len(self.rows) > 1:
+            self.rows = [torch.cat(self.rows)]
+        return self.rows[0][lo - self.base:hi - self.base]
+
+
+@dataclass
+class _HeadSeq:
+    entries: int = 0
+    """Head cache entries held (entry i: position base + i)."""
+    real: int = 0
+    """Of those, the first ``real`` came from the target's features (the rest from the head's
+    own predictions: rolled back each step)."""
+    blocks: list[int] = field(default_factory=list)
+
+
+class EagleProposer(Proposer):
+    """Drafts with an EAGLE head over the target's features (module docstring): each step the
+    head's cache catches up on the positions the target made final, then k greedy tokens
+    follow from its own predicted features. Greedy drafts: exact for any temperature."""
+
+    wants_features = True
+
+    def __init__(self, head: EagleHead, target: nn.Module, kv_caches: list[KVCache],
+                 block_size: int, backend) -> None:
+        """``target``: the target model (its token embedding and LM head are shared)."""
+        from memwall.attention.backend import bind as bind_attention
+
+        self.head, self.target, self.kv_caches = head, target, kv_caches
+        self.block_size, self.backend = block_size, backend
+        bind_attention(head, backend)
+        self.max_len = head.config.max_position_embeddings
+        self.free = list(range(kv_caches[0][0].shape[0] - 1, -1, -1))
+        self.features: dict[str, _Features] = {}
+        self.seqs: dict[str, _HeadSeq] = {}
+        self.device = kv_caches[0][0].device
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def record(self, request_id: str, start: int, features) -> None:
+        held = self.features.get(request_id)
+        if held is None or not held.append(start, features):
+            self._drop_cache(request_id)
+            self.features[request_id] = _Features(base=start)
+            self.features[request_id].append(start, features)
+            return
+        seq = self.seqs.get(request_id)
+        if seq is not None:  # entries past a rewritten position are stale
+            seq.real = min(seq.real, start - held.base)
+
+    def forget(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.features.pop(request_id, None)
+            self._drop_cache(request_id)
+
+    def _drop_cache(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.free.extend(reversed(seq.blocks))
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> dict[str, list[int]]:
+        active = []  # (request id, seq, first position, token ids, features, k)
+        for req in requests:
+            held = self.features.get(req.request_id)
+            n = len(req.token_ids) - 1  # features needed for positions .. n - 1
+            if held is None or held.base + held.count != n or n <= held.base:
+                continue  # the target has not made every position final (or a fork child)
+            k = min(req.max_drafts, self.max_len - n)
+            seq = self.seqs.setdefault(req.request_id, _HeadSeq())
+            if k < 1 or not self._reserve(seq, n - held.base + k - 1):
+                continue
+            first = held.base + seq.real  # catch up from the first entry not from real features
+            if first >= n:  # nothing new (cannot happen after a step): redo the last entry
+                first = n - 1
+            tokens = req.token_ids[first + 1:n + 1]
+            active.append((req.request_id, seq, first, tokens, held.slice(first, n), k, held.base))
+        drafts: dict[str, list[int]] = {rid: [] for rid, *_ in active}
+        if not active:
+            return drafts
+        inputs = [(first, torch.as_tensor(tokens), feats) for _, _, first, tokens, feats, _, _ in active]
+        limits = [k for *_, k, _ in active]
+        for step in range(max(limits)):
+            rows = [i for i, limit in enumerate(limits) if step < limit]
+            predicted = self._forward([active[i] for i in rows], [inputs[i] for i in rows])
+            tokens = self.target.compute_logits(predicted).argmax(dim=-1)
+            for j, i in enumerate(rows):
+                rid, seq, first, _, _, _, base = active[i]
+                if step == 0:
+                    seq.real = first - base + len(inputs[i][1])
+                token = int(tokens[j])
+                drafts[rid].append(token)
+                position = inputs[i][0] + len(inputs[i][1])  # the next entry's position
+                inputs[i] = (position, tokens[j:j + 1], predicted[j:j + 1])
+        return drafts
+
+    def _reserve(self, seq: _HeadSeq, entries: int) -> bool:
+        need = -(-entries // self.block_size) - len(seq.blocks)
+        if need <= 0:
+            return True
+        if need > len(self.free):
+            return False
+        seq.blocks.extend(self.free.pop() for _ in range(need))
+        return True
+
+    def _forward(self, active, inputs) -> torch.Tensor:
+        """Entries at positions first .. first + len - 1 for each sequence (token x_{t+1} and
+        feature f_t each); returns the predicted feature after each sequence's last entry."""
+        bs = self.block_size
+        query_lens = np.array([len(t) for _, t, _ in inputs], dtype=np.int64)
+        seq_lens = np.array([first - a[6] + len(t) for a, (first, t, _) in zip(active, inputs)],
+                            dtype=np.int64)
+        width = max(len(a[1].blocks) for a in active)
+        tables = np.zeros((len(active), width), dtype=np.int64)
+        positions, slots = [], []
+        for row, (a, (first, t, _)) in enumerate(zip(active, inputs)):
+            seq, base = a[1], a[6]
+            tables[row, :len(seq.blocks)] = seq.blocks
+            for pos in range(first, first + len(t)):
+                entry = pos - base
+                positions.append(pos)
+                slots.append(seq.blocks[entry // bs] * bs + entry % bs)
+            seq.entries = first - base + len(t)
+        dev = self.device
+        ids = torch.cat([t.reshape(-1) for _, t, _ in inputs]).to(dev)
+        feats = torch.cat([f for _, _, f in inputs]).to(dev)
+        embeds = self.target.model.embed_tokens(ids).float()
+        attn = self.backend.build_metadata(query_lens, seq_lens, torch.from_numpy(tables).to(dev),
+                                           torch.tensor(slots, dtype=torch.long, device=dev), bs)
+        out = self.head(embeds, feats, torch.tensor(positions, dtype=torch.long, device=dev),
+                        self.kv_caches, attn)
+        return out[torch.as_tensor(np.cumsum(query_lens) - 1, device=dev)]

@@ -26,5 +26,13 @@ class Proposer(ABC):
     def propose(self, requests: list[DraftRequest]) -> dict[str, list[int]]:
         """request id -> up to max_drafts draft tokens (absent or empty: no draft)."""
 
+    wants_features = False
+    """True: the runner hands over the target's hidden states (``record``) every step."""
+
+    def record(self, request_id: str, start: int, features) -> None:
+        """The target's final hidden states [n, H] (after its last norm) for positions
+        start .. start + n - 1 of a sequence, which this step made final (prompt chunks,
+        decoded tokens, accepted drafts). Only called where ``wants_features``."""
+
     def forget(self, request_ids: list[str]) -> None:
         """These sequences finished or lost their KV: drop anything kept for them."""

@@ -78,6 +78,11 @@ class ModelRunner:
 
     def _make_proposer(self, spec: SpeculativeConfig, draft: LoadedModel | None,
                        plan: KVCachePlan, dtype: torch.dtype) -> Proposer:
+        if spec.method == "eagle":
+            from memwall.spec_decode.eagle import EagleProposer, load_eagle_head
+            head = load_eagle_head(spec.model, self.arch).to(self.device)
+            caches = allocate_kv_cache(head.config, plan, dtype, self.device)
+            return EagleProposer(head, self.model, caches, plan.block_size, self.attn_backend)
         if spec.method != "draft_model":
             return make_proposer(spec)
         if draft is None:
@@ -181,8 +186,24 @@ class ModelRunner:
                                   rows.top_k)
             out.prompt_logprobs[rows.request_id] = _logprob_dicts(lp)
         if self.proposer is not None:
+            if self.proposer.wants_features:
+                self._record_features(sched, inputs, hidden, out)
             self._propose(sched, out)
         return out
+
+    def _record_features(self, sched: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor,
+                         out: RunnerOutput) -> None:
+        """The target's hidden states of the positions this step made final, per sequence: a
+        prompt chunk's tokens, a decoded token, a verified token and its accepted drafts (each
+        sequence's tokens are consecutive rows of the flat axis, in scheduling order)."""
+        offset = 0
+        for request_id, count in sched.num_scheduled_tokens.items():
+            final = count
+            if sched.spec_token_ids.get(request_id):
+                final = 1 + len(out.accepted_drafts.get(request_id, ()))
+            self.proposer.record(request_id, int(inputs.positions[offset]),
+                                 hidden[offset:offset + final])
+            offset += count
 
     def _apply_transfers(self, transfers: BlockTransfers) -> None:
         """Swap-outs read blocks before swap-ins and copies may overwrite them: order matters."""

@@ -95,3 +95,111 @@ def test_wrong_directories_are_refused(tmp_path, reference):
     (two / "config.json").write_text(json.dumps({**CONFIG, "num_hidden_layers": 2}))
     with pytest.raises(EagleHeadError, match="one decoder layer"):
         load_eagle_head(two, target_arch())
+
+
+# --------------------------------------------------------------------------- the proposer
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def tiny_head(tiny_target, tmp_path_factory):
+    """A random EAGLE head shaped for the tiny target, in the published layout."""
+    from memwall.config import ModelArchConfig as Arch
+
+    config = json.loads((tiny_target / "config.json").read_text())
+    torch.manual_seed(3)
+    arch = Arch.from_hf_dict({**config, "num_hidden_layers": 1})
+    from memwall.spec_decode.eagle import EagleHead
+
+    head = EagleHead(arch, fc_bias=True)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.2)
+    weights = {k: v.detach().clone() for k, v in head.state_dict().items()}
+    out = tmp_path_factory.mktemp("eagle")
+    (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    save_file(weights, str(out / "model.safetensors"))
+    return out
+
+
+def eagle(head_dir, k=4):
+    return {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": k, "adaptive": False}
+
+
+def test_greedy_equals_plain_with_an_eagle_head(tiny_target, tiny_head):
+    from memwall import LLM, SamplingParams
+
+    rng = __import__("random").Random(5)
+    prompts = [[rng.randrange(4, 380) for _ in range(rng.randrange(1, 60))] for _ in range(12)]
+    prompts += [prompts[0] + [7, 8, 9]]  # a cached prefix: the head starts after it
+    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+    plain = LLM(str(tiny_target), num_kv_blocks=256, block_size=4).generate(prompts, params)
+    for mode in ("recompute", "swap"):
+        llm = LLM(str(tiny_target), speculative_config=eagle(tiny_head), num_kv_blocks=40,
+                  block_size=4, max_num_batched_tokens=24, max_num_seqs=6, preemption_mode=mode)
+        out = llm.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+        core = llm.engine.core
+        assert core.scheduler.num_preemptions > 0
+        assert core.scheduler.stats.spec_num_verify_steps > 50
+        assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+
+
+def _proposer(tiny_target, tiny_head, num_blocks=256):
+    from memwall.attention.backend import choose as choose_backend
+    from memwall.loader.model_loader import load_model
+    from memwall.spec_decode.eagle import EagleProposer
+    from memwall.worker.kv_cache import KVCachePlan, allocate_kv_cache
+
+    target = load_model(str(tiny_target))
+    head = load_eagle_head(tiny_head, target.arch)
+    caches = allocate_kv_cache(head.config, KVCachePlan(num_blocks, 4, 0), torch.float32)
+    return EagleProposer(head, target.model, caches, 4, get_backend(choose_backend("cpu")))
+
+
+def _real_keys(proposer) -> torch.Tensor:
+    seq = proposer.seqs["s"]
+    slots = [seq.blocks[i // 4] * 4 + i % 4 for i in range(seq.real)]
+    return proposer.kv_caches[0][0].flatten(0, 1)[slots].float()
+
+
+@torch.inference_mode()
+def test_the_heads_cache_follows_accepts_rejects_and_rewinds(tiny_target, tiny_head):
+    """A long-lived proposer, fed features step by step as the runner does (final positions
+    only, rewinds after preemption), drafts what a fresh one fed the whole history drafts."""
+    import numpy as np
+
+    from memwall.spec_decode.proposer import DraftRequest
+
+    lived = _proposer(tiny_target, tiny_head)
+    rng = __import__("random").Random(9)
+    g = torch.Generator().manual_seed(9)
+    tokens = [rng.randrange(4, 380) for _ in range(9)]
+    feats = torch.randn(8, 64, generator=g)  # positions 0..7 final; token 8 just sampled
+    lived.record("s", 0, feats)
+    for step in range(30):
+        k = rng.randrange(1, 5)
+        req = DraftRequest("s", np.array(tokens), k)
+        drafts = lived.propose([req])["s"]
+        fresh = _proposer(tiny_target, tiny_head)
+        fresh.record("s", 0, feats)
+        assert drafts == fresh.propose([req])["s"] and len(drafts) == k
+        # every entry the target's features made is what a fresh head computes for them
+        assert lived.seqs["s"].real == fresh.seqs["s"].real == len(tokens) - 1
+        torch.testing.assert_close(_real_keys(lived), _real_keys(fresh), rtol=0, atol=1e-5)
+        if rng.random() < 0.15:  # preempted and recomputed from an earlier position
+            cut, redone = rng.randrange(1, len(tokens) - 1), rng.randrange(1, 5)
+            tokens = tokens[:cut + 1] + [rng.randrange(4, 380) for _ in range(redone)]
+            feats = torch.cat([feats[:cut], torch.randn(redone, 64, generator=g)])
+            lived.record("s", cut, feats[cut:])
+            continue
+        accepted = rng.randrange(0, k + 1)
+        new = torch.randn(1 + accepted, 64, generator=g)  # the verify rows' final features
+        lived.record("s", len(tokens) - 1, new)
+        feats = torch.cat([feats, new])
+        tokens = tokens + drafts[:accepted] + [rng.randrange(4, 380)]
+    lived.forget(["s"])
+    assert lived.num_free_blocks == 256
