@@ -232,7 +232,7 @@ def main() -> None:
     if args.draft_pair:
         rows.append(draft_pair_row(args.draft_pair, args.threads, args.max_tokens, args.runs))
     report = {"benchmark": "spec_decode", "cpu": cpu_model(), "threads": args.threads,
-              "model": args.model or "embedded SmolLM2-135M-Instruct Q4_1", "spec": json.loads(args.spec),
+              "model": args.model or "embedded SmolLM2-135M-Instruct Q4_1", "spec": _portable(args.spec),
               "max_tokens": args.max_tokens, "runs": args.runs, "rows": rows, "step_ms": costs,
               "engine": spec.engine.core.info.description}
     path = write_result("spec_decode", report)
@@ -279,6 +279,14 @@ def draft_pair_row(count: int, threads: int, max_tokens: int, runs: int) -> dict
     row = compare("draft pair", plain, spec, run_alone, humaneval_prompts(count), max_tokens, runs)
     row["target"], row["draft"] = "Qwen2.5-Coder-1.5B-Instruct Q4_K_M", "Qwen2.5-Coder-0.5B-Instruct"
     return row
+
+
+def _portable(spec: str) -> dict:
+    """The config as JSON, a drafter's path under the home folder written with ~."""
+    config = json.loads(spec)
+    if isinstance(config.get("model"), str):
+        config["model"] = config["model"].replace(str(Path.home()), "~")
+    return config
 
 
 def _with_max_seqs(llm, count: int):

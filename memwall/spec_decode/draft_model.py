@@ -69,6 +69,11 @@ class DraftModelProposer(Proposer):
     def num_free_blocks(self) -> int:
         return len(self.free)
 
+    @property
+    def drafting_model(self) -> torch.nn.Module:
+        """What one drafted token runs (timed at start-up for the adaptive draft lengths)."""
+        return self.model
+
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             seq = self.seqs.pop(request_id, None)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -66,7 +67,7 @@ class EagleHead(nn.Module):
 def load_eagle_head(directory: str | Path, target: ModelArchConfig,
                     dtype: torch.dtype = torch.float32) -> EagleHead:
     """An EAGLE-1/2 head directory -> EagleHead, checked against the target's shape."""
-    path = Path(directory)
+    path = Path(directory).expanduser()
     config_file = path / "config.json"
     if not config_file.is_file():
         raise EagleHeadError(f"{path} has no config.json: not an EAGLE head directory")
@@ -172,6 +173,14 @@ class EagleProposer(Proposer):
     @property
     def num_free_blocks(self) -> int:
         return len(self.free)
+
+    @property
+    def drafting_model(self) -> SimpleNamespace:
+        """What one drafted token runs, in the shape step_shape.measure_row_costs times: the
+        head's matmuls and the target's LM head (most of it: a full vocabulary a token)."""
+        layers = nn.ModuleList([self.head.fc, *self.head.layers])
+        return SimpleNamespace(model=SimpleNamespace(layers=layers), config=self.target.config,
+                               compute_logits=self.target.compute_logits)
 
     def record(self, request_id: str, start: int, features) -> None:
         held = self.features.get(request_id)

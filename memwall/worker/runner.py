@@ -107,7 +107,7 @@ class ModelRunner:
                            | {min(most, 1 + spec.num_speculative_tokens)})
             from memwall.worker.step_shape import measure_row_costs
             cost = StepCost(measure_row_costs(self.model, tuple(sizes)))
-            drafter = getattr(self.proposer, "model", None)  # a draft model's own steps
+            drafter = getattr(self.proposer, "drafting_model", None)  # a drafter's own steps
             if drafter is not None:
                 draft_sizes = tuple(n for n in sizes if n <= max_num_seqs) or (1,)
                 draft_cost = StepCost(measure_row_costs(drafter, draft_sizes))
