@@ -11,20 +11,19 @@ decodes k tokens greedily, all sequences in one batch per position:
 The drafts are greedy, so rejection sampling treats them as a deterministic proposal
 (rejection.verify_random with no draft probabilities): exact for any target temperature.
 
-The draft cache is paged like the target's, in blocks of its own pool, kept per sequence
-until ``forget``; a sequence whose blocks do not fit gets no draft that step (the target never
-waits for the drafter, and nothing is evicted).
+The draft cache is paged like the target's, in blocks of its own pool (draft_cache.py), kept
+per sequence until ``forget``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from memwall.attention.backend import AttentionBackend, bind as bind_attention
 from memwall.config import ModelArchConfig
+from memwall.spec_decode.draft_cache import DraftCache
 from memwall.spec_decode.proposer import DraftRequest, Proposer
 
 
@@ -44,30 +43,22 @@ def check_tokenizers(target, draft, draft_name: str) -> None:
                               "the target's: a draft model needs the target's tokenizer")
 
 
-@dataclass
-class _DraftSeq:
-    tokens: list[int] = field(default_factory=list)
-    """The tokens whose K/V are in the draft cache, in order."""
-    blocks: list[int] = field(default_factory=list)
-
-
 class DraftModelProposer(Proposer):
     def __init__(self, model: torch.nn.Module, arch: ModelArchConfig,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  backend: AttentionBackend, fast_path=None) -> None:
         """``kv_caches``: the drafter's own pool (worker/kv_cache.allocate_kv_cache);
         ``fast_path``: a FusedCpuDecode over it for the one-token forwards, or None."""
-        self.model, self.arch, self.kv_caches = model, arch, kv_caches
-        self.block_size, self.backend, self.fast_path = block_size, backend, fast_path
+        self.model, self.arch, self.backend, self.fast_path = model, arch, backend, fast_path
+        self.cache = DraftCache(kv_caches, block_size)
         bind_attention(model, backend)
         self.max_len = arch.max_position_embeddings
-        self.free = list(range(kv_caches[0][0].shape[0] - 1, -1, -1))
-        self.seqs: dict[str, _DraftSeq] = {}
-        self.device = kv_caches[0][0].device
+        self.tokens: dict[str, list[int]] = {}
+        """Per sequence, the tokens whose K/V are in the draft cache, in order."""
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return self.cache.num_free_blocks
 
     @property
     def drafting_model(self) -> torch.nn.Module:
@@ -76,77 +67,55 @@ class DraftModelProposer(Proposer):
 
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
-            seq = self.seqs.pop(request_id, None)
-            if seq is not None:
-                self.free.extend(reversed(seq.blocks))
+            self.tokens.pop(request_id, None)
+            self.cache.release(request_id)
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> dict[str, list[int]]:
-        active: list[tuple[DraftRequest, _DraftSeq, list[int]]] = []
+        active: list[tuple[str, list[int]]] = []  # request id, tokens to feed first
+        limits: list[int] = []
         for req in requests:
-            seq = self.seqs.setdefault(req.request_id, _DraftSeq())
-            known = req.token_ids.tolist()
+            rid, known = req.request_id, req.token_ids.tolist()
             k = min(req.max_drafts, self.max_len - len(known))
-            if k < 1 or not self._reserve(seq, len(known) + k - 1):
+            if k < 1:
                 continue
-            shared = _common_prefix(seq.tokens, known)
+            if not self.cache.reserve(rid, len(known) + k - 1):
+                self.tokens.pop(rid, None)  # its blocks went back to the pool
+                continue
+            cached = self.tokens.setdefault(rid, [])
+            shared = _common_prefix(cached, known)
             if shared == len(known):  # the cache holds every token: its last one is fed again
                 shared -= 1           # (same slot, same K/V) for the logits of the next
-            seq.tokens = known[:shared]
-            active.append((req, seq, known[shared:]))
-        drafts: dict[str, list[int]] = {req.request_id: [] for req, _, _ in active}
-        step_inputs = [new for _, _, new in active]
-        limits = [min(req.max_drafts, self.max_len - len(req.token_ids)) for req, _, _ in active]
+            del cached[shared:]
+            active.append((rid, known[shared:]))
+            limits.append(k)
+        drafts: dict[str, list[int]] = {rid: [] for rid, _ in active}
+        step_inputs = [new for _, new in active]
         for position in range(max(limits, default=0)):
             rows = [i for i, limit in enumerate(limits) if position < limit]
-            if not rows:
-                break
-            next_ids = self._forward([active[i][1] for i in rows], [step_inputs[i] for i in rows])
+            next_ids = self._forward([active[i][0] for i in rows], [step_inputs[i] for i in rows])
             for i, token in zip(rows, next_ids):
-                drafts[active[i][0].request_id].append(token)
+                drafts[active[i][0]].append(token)
                 step_inputs[i] = [token]
         return drafts
 
-    def _reserve(self, seq: _DraftSeq, num_tokens: int) -> bool:
-        """Blocks for ``num_tokens`` K/V rows; False (the sequence's cache dropped, its blocks
-        freed) when the pool has too few."""
-        need = -(-num_tokens // self.block_size) - len(seq.blocks)
-        if need <= 0:
-            return True
-        if need > len(self.free):
-            self.free.extend(reversed(seq.blocks))
-            seq.blocks, seq.tokens = [], []
-            return False
-        seq.blocks.extend(self.free.pop() for _ in range(need))
-        return True
-
-    def _forward(self, seqs: list[_DraftSeq], inputs: list[list[int]]) -> list[int]:
+    def _forward(self, request_ids: list[str], inputs: list[list[int]]) -> list[int]:
         """Feeds each sequence its new tokens (appending them to its cache) and returns the
         greedy next token of each."""
-        bs = self.block_size
-        query_lens = np.array([len(t) for t in inputs], dtype=np.int64)
-        seq_lens = np.array([len(s.tokens) + len(t) for s, t in zip(seqs, inputs)], dtype=np.int64)
-        width = max(len(s.blocks) for s in seqs)
-        tables = np.zeros((len(seqs), width), dtype=np.int64)
-        positions, slots = [], []
-        for row, (seq, new) in enumerate(zip(seqs, inputs)):
-            tables[row, :len(seq.blocks)] = seq.blocks
-            for pos in range(len(seq.tokens), len(seq.tokens) + len(new)):
-                positions.append(pos)
-                slots.append(seq.blocks[pos // bs] * bs + pos % bs)
-        dev = self.device
+        spans = [(rid, len(self.tokens[rid]), len(new)) for rid, new in zip(request_ids, inputs)]
+        attn = self.cache.metadata(self.backend, spans)
+        dev = self.cache.device
         input_ids = torch.tensor([t for new in inputs for t in new], dtype=torch.long, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        attn = self.backend.build_metadata(query_lens, seq_lens, torch.from_numpy(tables).to(dev),
-                                           torch.tensor(slots, dtype=torch.long, device=dev), bs)
+        positions = torch.tensor([e for _, first, count in spans for e in range(first, first + count)],
+                                 dtype=torch.long, device=dev)
         if self.fast_path is not None and self.fast_path.can_run(attn):
-            hidden = self.fast_path.run(input_ids, pos_t, attn)
+            hidden = self.fast_path.run(input_ids, positions, attn)
         else:
-            hidden = self.model(input_ids, pos_t, self.kv_caches, attn)
-        last = torch.as_tensor(np.cumsum(query_lens) - 1, device=dev)
+            hidden = self.model(input_ids, positions, self.cache.kv_caches, attn)
+        last = torch.as_tensor(np.cumsum([len(new) for new in inputs]) - 1, device=dev)
         logits = self.model.compute_logits(hidden[last])
-        for seq, new in zip(seqs, inputs):
-            seq.tokens.extend(new)
+        for rid, new in zip(request_ids, inputs):
+            self.tokens[rid].extend(new)
         return logits.argmax(dim=-1).tolist()
 
 

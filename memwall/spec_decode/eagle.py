@@ -33,6 +33,7 @@ from memwall.attention.metadata import AttentionMetadata
 from memwall.config import ModelArchConfig
 from memwall.layers.rotary import RotaryEmbedding
 from memwall.models.llama import DecoderLayer, KVCache
+from memwall.spec_decode.draft_cache import DraftCache
 from memwall.spec_decode.proposer import DraftRequest, Proposer
 
 UNUSED = ("embed_tokens.weight", "layers.0.input_layernorm.weight")
@@ -139,16 +140,6 @@ class _Features:
         return self.rows[0][lo - self.base:hi - self.base]
 
 
-@dataclass
-class _HeadSeq:
-    entries: int = 0
-    """Head cache entries held (entry i: position base + i)."""
-    real: int = 0
-    """Of those, the first ``real`` came from the target's features (the rest from the head's
-    own predictions: rolled back each step)."""
-    blocks: list[int] = field(default_factory=list)
-
-
 class EagleProposer(Proposer):
     """Drafts with an EAGLE head over the target's features (module docstring): each step the
     head's cache catches up on the positions the target made final, then k greedy tokens
@@ -161,18 +152,18 @@ class EagleProposer(Proposer):
         """``target``: the target model (its token embedding and LM head are shared)."""
         from memwall.attention.backend import bind as bind_attention
 
-        self.head, self.target, self.kv_caches = head, target, kv_caches
-        self.block_size, self.backend = block_size, backend
+        self.head, self.target, self.backend = head, target, backend
+        self.cache = DraftCache(kv_caches, block_size)
         bind_attention(head, backend)
         self.max_len = head.config.max_position_embeddings
-        self.free = list(range(kv_caches[0][0].shape[0] - 1, -1, -1))
         self.features: dict[str, _Features] = {}
-        self.seqs: dict[str, _HeadSeq] = {}
-        self.device = kv_caches[0][0].device
+        self.real: dict[str, int] = {}
+        """Per sequence, how many head cache entries (entry i: position base + i) came from the
+        target's features; entries past them hold the head's own predictions, redone each step."""
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return self.cache.num_free_blocks
 
     @property
     def drafting_model(self) -> SimpleNamespace:
@@ -189,9 +180,8 @@ class EagleProposer(Proposer):
             self.features[request_id] = _Features(base=start)
             self.features[request_id].append(start, features)
             return
-        seq = self.seqs.get(request_id)
-        if seq is not None:  # entries past a rewritten position are stale
-            seq.real = min(seq.real, start - held.base)
+        if request_id in self.real:  # entries past a rewritten position are stale
+            self.real[request_id] = min(self.real[request_id], start - held.base)
 
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -199,79 +189,54 @@ class EagleProposer(Proposer):
             self._drop_cache(request_id)
 
     def _drop_cache(self, request_id: str) -> None:
-        seq = self.seqs.pop(request_id, None)
-        if seq is not None:
-            self.free.extend(reversed(seq.blocks))
+        self.real.pop(request_id, None)
+        self.cache.release(request_id)
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> dict[str, list[int]]:
-        active = []  # (request id, seq, first position, token ids, features, k)
+        active = []  # (request id, first position, k, base)
+        inputs = []  # per active sequence: (first position, token ids, features) to feed next
         for req in requests:
-            held = self.features.get(req.request_id)
+            rid, held = req.request_id, self.features.get(req.request_id)
             n = len(req.token_ids) - 1  # features needed for positions .. n - 1
             if held is None or held.base + held.count != n or n <= held.base:
                 continue  # the target has not made every position final (or a fork child)
             k = min(req.max_drafts, self.max_len - n)
-            seq = self.seqs.setdefault(req.request_id, _HeadSeq())
-            if k < 1 or not self._reserve(seq, n - held.base + k - 1):
+            if k < 1:
                 continue
-            first = held.base + seq.real  # catch up from the first entry not from real features
-            if first >= n:  # nothing new (cannot happen after a step): redo the last entry
-                first = n - 1
-            tokens = req.token_ids[first + 1:n + 1]
-            active.append((req.request_id, seq, first, tokens, held.slice(first, n), k, held.base))
+            if not self.cache.reserve(rid, n - held.base + k - 1):
+                self.real.pop(rid, None)  # its blocks went back to the pool
+                continue
+            # catch up from the first entry not made from real features; with nothing new
+            # (cannot happen after a step) the last entry is redone for its prediction
+            first = min(held.base + self.real.get(rid, 0), n - 1)
+            active.append((rid, first, k, held.base))
+            inputs.append((first, torch.as_tensor(req.token_ids[first + 1:n + 1]), held.slice(first, n)))
         drafts: dict[str, list[int]] = {rid: [] for rid, *_ in active}
-        if not active:
-            return drafts
-        inputs = [(first, torch.as_tensor(tokens), feats) for _, _, first, tokens, feats, _, _ in active]
-        limits = [k for *_, k, _ in active]
-        for step in range(max(limits)):
+        limits = [k for _, _, k, _ in active]
+        for step in range(max(limits, default=0)):
             rows = [i for i, limit in enumerate(limits) if step < limit]
             predicted = self._forward([active[i] for i in rows], [inputs[i] for i in rows])
             tokens = self.target.compute_logits(predicted).argmax(dim=-1)
             for j, i in enumerate(rows):
-                rid, seq, first, _, _, _, base = active[i]
+                rid, first, _, base = active[i]
                 if step == 0:
-                    seq.real = first - base + len(inputs[i][1])
-                token = int(tokens[j])
-                drafts[rid].append(token)
+                    self.real[rid] = first - base + len(inputs[i][1])
+                drafts[rid].append(int(tokens[j]))
                 position = inputs[i][0] + len(inputs[i][1])  # the next entry's position
                 inputs[i] = (position, tokens[j:j + 1], predicted[j:j + 1])
         return drafts
 
-    def _reserve(self, seq: _HeadSeq, entries: int) -> bool:
-        need = -(-entries // self.block_size) - len(seq.blocks)
-        if need <= 0:
-            return True
-        if need > len(self.free):
-            return False
-        seq.blocks.extend(self.free.pop() for _ in range(need))
-        return True
-
     def _forward(self, active, inputs) -> torch.Tensor:
         """Entries at positions first .. first + len - 1 for each sequence (token x_{t+1} and
         feature f_t each); returns the predicted feature after each sequence's last entry."""
-        bs = self.block_size
-        query_lens = np.array([len(t) for _, t, _ in inputs], dtype=np.int64)
-        seq_lens = np.array([first - a[6] + len(t) for a, (first, t, _) in zip(active, inputs)],
-                            dtype=np.int64)
-        width = max(len(a[1].blocks) for a in active)
-        tables = np.zeros((len(active), width), dtype=np.int64)
-        positions, slots = [], []
-        for row, (a, (first, t, _)) in enumerate(zip(active, inputs)):
-            seq, base = a[1], a[6]
-            tables[row, :len(seq.blocks)] = seq.blocks
-            for pos in range(first, first + len(t)):
-                entry = pos - base
-                positions.append(pos)
-                slots.append(seq.blocks[entry // bs] * bs + entry % bs)
-            seq.entries = first - base + len(t)
-        dev = self.device
+        spans = [(rid, first - base, len(t)) for (rid, _, _, base), (first, t, _) in zip(active, inputs)]
+        attn = self.cache.metadata(self.backend, spans)
+        dev = self.cache.device
+        positions = torch.tensor([p for first, t, _ in inputs for p in range(first, first + len(t))],
+                                 dtype=torch.long, device=dev)
         ids = torch.cat([t.reshape(-1) for _, t, _ in inputs]).to(dev)
         feats = torch.cat([f for _, _, f in inputs]).to(dev)
         embeds = self.target.model.embed_tokens(ids).float()
-        attn = self.backend.build_metadata(query_lens, seq_lens, torch.from_numpy(tables).to(dev),
-                                           torch.tensor(slots, dtype=torch.long, device=dev), bs)
-        out = self.head(embeds, feats, torch.tensor(positions, dtype=torch.long, device=dev),
-                        self.kv_caches, attn)
-        return out[torch.as_tensor(np.cumsum(query_lens) - 1, device=dev)]
+        out = self.head(embeds, feats, positions, self.cache.kv_caches, attn)
+        return out[torch.as_tensor(np.cumsum([len(t) for _, t, _ in inputs]) - 1, device=dev)]

@@ -270,9 +270,10 @@ class ModelRunner:
             state = self.rows.states[v.request_id]
             p = state.sampling_params
             penalized = _has_penalties(p)  # the sampler reads token lists for nothing else
-            history = self.rows.output_ids(v.request_id).tolist() if penalized else []
+            output_ids = self.rows.output_ids(v.request_id)
+            history = output_ids.tolist() if penalized else []
             prompt = self.rows.prompt_ids(v.request_id).tolist() if penalized else []
-            num_out = len(self.rows.output_ids(v.request_id))
+            num_out = len(output_ids)
             gen = self._generator(v.request_id, p)
             for j in range(len(v.draft_token_ids) + 1):
                 params.append(p)

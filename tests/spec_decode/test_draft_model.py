@@ -68,11 +68,11 @@ def make_proposer(loaded, num_blocks=64, block_size=4) -> DraftModelProposer:
 
 def cached_kv(proposer: DraftModelProposer, request_id: str) -> tuple[list[int], torch.Tensor]:
     """(tokens, keys of every layer at their positions) the drafter holds for a sequence."""
-    seq = proposer.seqs[request_id]
-    bs = proposer.block_size
-    slots = [seq.blocks[p // bs] * bs + p % bs for p in range(len(seq.tokens))]
-    keys = torch.stack([k.flatten(0, 1)[slots].float() for k, _ in proposer.kv_caches])
-    return list(seq.tokens), keys
+    tokens, blocks = proposer.tokens[request_id], proposer.cache.blocks[request_id]
+    bs = proposer.cache.block_size
+    slots = [blocks[p // bs] * bs + p % bs for p in range(len(tokens))]
+    keys = torch.stack([k.flatten(0, 1)[slots].float() for k, _ in proposer.cache.kv_caches])
+    return list(tokens), keys
 
 
 def test_a_long_lived_drafter_drafts_what_a_fresh_one_would(loaded_draft):

@@ -161,9 +161,9 @@ def _proposer(tiny_target, tiny_head, num_blocks=256):
 
 
 def _real_keys(proposer) -> torch.Tensor:
-    seq = proposer.seqs["s"]
-    slots = [seq.blocks[i // 4] * 4 + i % 4 for i in range(seq.real)]
-    return proposer.kv_caches[0][0].flatten(0, 1)[slots].float()
+    blocks = proposer.cache.blocks["s"]
+    slots = [blocks[i // 4] * 4 + i % 4 for i in range(proposer.real["s"])]
+    return proposer.cache.kv_caches[0][0].flatten(0, 1)[slots].float()
 
 
 @torch.inference_mode()
@@ -188,7 +188,7 @@ def test_the_heads_cache_follows_accepts_rejects_and_rewinds(tiny_target, tiny_h
         fresh.record("s", 0, feats)
         assert drafts == fresh.propose([req])["s"] and len(drafts) == k
         # every entry the target's features made is what a fresh head computes for them
-        assert lived.seqs["s"].real == fresh.seqs["s"].real == len(tokens) - 1
+        assert lived.real["s"] == fresh.real["s"] == len(tokens) - 1
         torch.testing.assert_close(_real_keys(lived), _real_keys(fresh), rtol=0, atol=1e-5)
         if rng.random() < 0.15:  # preempted and recomputed from an earlier position
             cut, redone = rng.randrange(1, len(tokens) - 1), rng.randrange(1, 5)
