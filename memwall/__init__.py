@@ -1,12 +1,13 @@
 """memwall: an LLM inference engine that reads like a textbook.
 
-Public surface: ``LLM`` (offline batch API), ``SamplingParams``, ``RequestOutput``.
+Public surface: ``LLM`` (offline batch API), ``SamplingParams`` (with
+``StructuredOutputsParams``), ``RequestOutput``.
 """
 
 import logging
 
 from memwall.outputs import CompletionOutput, RequestOutput
-from memwall.sampling_params import SamplingParams
+from memwall.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -31,4 +32,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "__version__"]

@@ -211,6 +211,10 @@ class DeviceConfig:
         return self.device == "cuda"
 
 
+# memwall/structured/backend.py's BACKENDS (config imports nothing from the engine)
+STRUCTURED_OUTPUTS_BACKENDS = ("llguidance", "xgrammar")
+
+
 def _arg(default: Any, help: str) -> Any:
     """A dataclass field whose help text becomes the CLI flag's help."""
     return field(default=default, metadata={"help": help})
@@ -271,6 +275,9 @@ class EngineArgs:
         None, "speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", "
               "\"num_speculative_tokens\": 4}' (keys: method, num_speculative_tokens, "
               "prompt_lookup_max, prompt_lookup_min, model, disable_by_batch_size, adaptive)")
+    structured_outputs_backend: str = _arg(
+        "llguidance", "grammar backend for structured outputs (JSON schema, regex, choice, "
+                      "grammar): llguidance, or xgrammar (pip install xgrammar)")
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -286,6 +293,10 @@ class EngineArgs:
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         self.speculative()  # a bad speculative config fails here, before a model loads
+        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError("structured_outputs_backend must be one of "
+                             f"{', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, got "
+                             f"{self.structured_outputs_backend!r}")
 
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)

@@ -10,8 +10,28 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from memwall.sampling_params import SamplingParams
+
+
+class GrammarState(Protocol):
+    """What the scheduler asks of a structured-output request's grammar (memwall/structured/
+    implements it; the core only calls it)."""
+
+    def accept(self, token_ids: list[int]) -> bool:
+        """Advances over tokens the step produced; False if the grammar refuses one."""
+
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many leading draft tokens the grammar allows from here (state unchanged)."""
+
+    def bitmask(self, draft_token_ids: list[int]) -> Any:
+        """Allowed-token bitmask rows [1 + drafts, ceil(vocab / 32)] int32: the row for the
+        next token, then for the token after each draft (state unchanged)."""
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and allows nothing more (the request is done)."""
 
 
 class RequestStatus(enum.Enum):
@@ -73,6 +93,8 @@ class Request:
     """Of those, the ones accepted."""
     num_verify_steps: int = 0
     """Steps that verified drafts for this request."""
+    grammar: GrammarState | None = None
+    """Structured output: the compiled grammar's state, advanced with every output token."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -7,7 +7,9 @@ with a message that quotes the bad value: the server turns it into a 400, the CL
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
+from typing import Any
 
 # A temperature below this is treated as greedy: dividing logits by ~0 only makes NaNs.
 GREEDY_EPSILON = 1e-5
@@ -19,6 +21,73 @@ UNSUPPORTED = {
         "are always joined to the text around them without spaces (as with False); remove the "
         "argument",
 }
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output, as vLLM names it: exactly one of ``json`` (a JSON schema, as a
+    dict or its text), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these
+    strings) or ``grammar`` (Lark or GBNF text; EBNF with the xgrammar backend).
+
+    Grammar-guided decoding (memwall/structured/): each step the sampler masks every token the
+    grammar does not allow, so the output always matches. Checked here for shape only; whether
+    the schema or grammar compiles is the backend's call (a 400 naming the problem).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    """JSON without optional whitespace (compact output; fewer tokens, no whitespace loops)."""
+    backend: str | None = None
+    """The grammar backend that must compile it (memwall's tool-call grammars are llguidance's
+    Lark); None: the engine's (--structured-outputs-backend)."""
+
+    def __post_init__(self) -> None:
+        kinds = self._set_kinds()
+        if len(kinds) != 1:
+            found = ", ".join(kinds) if kinds else "none"
+            raise ValueError("structured_outputs needs exactly one of json, json_object, regex, "
+                             f"choice or grammar; got {found}")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ValueError("structured_outputs.json must be a JSON schema object, got "
+                             f"{type(self.json).__name__}")
+        if self.choice is not None and (
+                not isinstance(self.choice, (list, tuple)) or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty "
+                             f"strings, got {self.choice!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+
+    def _set_kinds(self) -> list[str]:
+        return [name for name in ("json", "json_object", "regex", "choice", "grammar")
+                if getattr(self, name) not in (None, False)]
+
+    @property
+    def kind(self) -> str:
+        return self._set_kinds()[0]
+
+    @property
+    def spec(self) -> Any:
+        """The constraint's own value (the schema, the pattern, the list of choices...)."""
+        return getattr(self, self.kind)
+
+    @property
+    def key(self) -> tuple:
+        """Equal for constraints that compile to the same grammar (the compile cache's key)."""
+        spec = self.spec
+        text = json.dumps(spec, sort_keys=True) if isinstance(spec, (dict, list, bool)) else spec
+        return (self.backend, self.kind, text, self.disable_any_whitespace)
 
 
 @dataclass
@@ -59,6 +128,8 @@ class SamplingParams:
     """Leave special tokens (EOS, <|im_end|>, ...) out of the returned text."""
     priority: int = 0
     """Lower runs first when the scheduler uses priorities (FCFS ignores it)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (memwall/structured/)."""
 
     def __new__(cls, *args, **kwargs) -> "SamplingParams":
         for name in UNSUPPORTED.keys() & kwargs.keys():
@@ -109,6 +180,10 @@ class SamplingParams:
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"),
             (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
+            (self.structured_outputs is None
+             or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs must be a StructuredOutputsParams, got "
+             f"{type(self.structured_outputs).__name__}"),
         ]
         for ok, message in checks:
             if not ok:

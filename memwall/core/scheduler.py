@@ -27,6 +27,7 @@ worker sees it, then deltas. ``Request.worker_*`` fields remember what the worke
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -36,6 +37,8 @@ from memwall.core.queue import make_queue, priority_key
 from memwall.core.step import (CachedRequestData, ForkData, NewRequestData, RunnerOutput,
                                SchedulerOutput)
 from memwall.request import Request, RequestStatus
+
+logger = logging.getLogger("memwall")
 
 
 @dataclass
@@ -185,7 +188,10 @@ class Scheduler:
             return []
         # Every accepted draft is an output token, and one more is sampled after them.
         room = min(budget - num_new, request.max_tokens - request.num_output_tokens - 1)
-        return drafts[:max(0, room)]
+        drafts = drafts[:max(0, room)]
+        if drafts and request.grammar is not None:  # a draft the grammar refuses cannot be accepted
+            drafts = drafts[:request.grammar.valid_prefix(drafts)]
+        return drafts
 
     def _reserve(self, request: Request, num_new: int, plan: _Plan) -> bool:
         """Makes room for the request's new tokens, preempting victims; False if it lost."""
@@ -262,6 +268,11 @@ class Scheduler:
                 out.cached_requests.append(self._cached_data(request))
             out.forks.extend(ForkData(f.request_id, request.request_id, f.sampling_params,
                                       f.eos_token_ids) for f in chunk.forks)
+            if chunk.samples:
+                for sampler in (request, *chunk.forks):
+                    if sampler.grammar is not None:
+                        drafts = chunk.drafts if sampler is request else []
+                        out.grammar_bitmask[sampler.request_id] = sampler.grammar.bitmask(drafts)
         if out.num_scheduled_tokens:  # an empty step does not reach the workers: keep them
             out.finished_ids.extend(self._finished_for_worker)
             self._finished_for_worker.clear()
@@ -374,9 +385,24 @@ class Scheduler:
         request.output_token_ids.append(token_id)
         if request.sampling_params.logprobs is not None:
             request.output_logprobs.append(logprobs)
-        status = self._stop_status(request, token_id)
+        status = self._grammar_status(request, token_id) or self._stop_status(request, token_id)
         if status is not None:
             self.finish(request, status)
+
+    @staticmethod
+    def _grammar_status(request: Request, token_id: int) -> RequestStatus | None:
+        """A structured-output request stops once its grammar is complete (its EOS, or nothing
+        more allowed). A token the grammar refuses means the mask was not applied: stop there
+        rather than return output that breaks the promised format."""
+        grammar = request.grammar
+        if grammar is None:
+            return None
+        if not grammar.accept([token_id]):
+            logger.error("request %s: token %d breaks its grammar; stopping it", request.request_id,
+                         token_id)
+            request.stop_reason = "grammar"
+            return RequestStatus.FINISHED_ABORTED
+        return RequestStatus.FINISHED_STOPPED if grammar.is_terminated else None
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -26,6 +26,7 @@ drafts it accepted (``accepted_drafts``) before the token it sampled after them:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from memwall.sampling_params import SamplingParams
 
@@ -100,6 +101,10 @@ class SchedulerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     """request id -> draft tokens to verify after its last known token (they are counted in
     num_scheduled_tokens; only for requests whose other scheduled token is their last)."""
+    grammar_bitmask: dict[str, Any] = field(default_factory=dict)
+    """request id -> allowed-token bitmask rows (numpy int32 [1 + drafts, ceil(vocab / 32)])
+    for structured-output requests that sample this step: the next token's row, then one per
+    draft position (memwall/structured/)."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:

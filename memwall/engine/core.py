@@ -8,12 +8,15 @@ gives plain outputs back (memwall/engine/protocol.py), so it runs the same in-pr
              -> EngineCoreOutputs  (new tokens per sample, finish reasons, stats)
 
 It holds no tokenizer and touches no device: text lives on the API side, tensors in the worker.
+Structured-output requests wait in ``_compiling`` until their grammar is compiled (on the
+StructuredOutputManager's thread), then join the scheduler with it; nobody else waits for them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 
 from memwall.config import EngineArgs
 from memwall.core.kv.manager import KVCacheManager
@@ -21,7 +24,26 @@ from memwall.core.scheduler import Scheduler
 from memwall.engine.protocol import (EngineCoreInfo, EngineCoreOutput, EngineCoreOutputs,
                                      EngineCoreRequest, EngineStats)
 from memwall.executor import Executor, make_executor
-from memwall.request import Request
+from memwall.request import Request, RequestStatus
+from memwall.structured.backend import GrammarError
+from memwall.structured.manager import PendingGrammar, StructuredOutputManager
+
+# With nothing to run but grammars compiling, a step waits this long for one to finish
+# (instead of returning at once and being called again in a busy loop).
+COMPILE_WAIT_S = 0.05
+
+
+@dataclass
+class _Compiling:
+    """A request (and its n > 1 forks) whose grammars are being compiled."""
+
+    first: Request
+    forks: list[Request]
+    pending: list[PendingGrammar]
+
+    @property
+    def requests(self) -> list[Request]:
+        return [self.first, *self.forks]
 
 logger = logging.getLogger("memwall")
 
@@ -50,29 +72,81 @@ class EngineCore:
         device_text = self.executor.describe()
         self.info = EngineCoreInfo(model.name, self.max_model_len, model.vocab_size,
                                    sched_cfg.max_num_seqs,
-                                   description + (f"; {device_text}" if device_text else ""))
+                                   description + (f"; {device_text}" if device_text else ""),
+                                   args.structured_outputs_backend)
+        self.structured = (StructuredOutputManager(model.vocab, args.structured_outputs_backend)
+                           if model.vocab is not None else None)
+        self._compiling: list[_Compiling] = []
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, first: EngineCoreRequest, forks: list[EngineCoreRequest] = ()) -> None:
-        """Queues one sample; ``forks`` (n > 1) share its prefill and fork its KV blocks."""
-        self.scheduler.add(_to_request(first), fork_children=[_to_request(f) for f in forks])
+        """Queues one sample; ``forks`` (n > 1) share its prefill and fork its KV blocks.
+        A structured-output request first waits for its grammar (compiled off the step loop)."""
+        request, children = _to_request(first), [_to_request(f) for f in forks]
+        constraint = first.sampling_params.structured_outputs
+        if constraint is None:
+            self.scheduler.add(request, fork_children=children)
+            return
+        if self.structured is None:
+            raise ValueError("this engine's model has no tokenizer vocabulary for structured outputs")
+        ids = {r.request_id for r in self.scheduler.requests.values()}
+        ids.update(r.request_id for c in self._compiling for r in c.requests)
+        taken = next((r.request_id for r in (request, *children) if r.request_id in ids), None)
+        if taken is not None:
+            raise ValueError(f"request id {taken!r} is already in use")
+        pending = [self.structured.submit(r.sampling_params.structured_outputs)
+                   for r in (request, *children)]
+        self._compiling.append(_Compiling(request, children, pending))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Finishes these samples wherever they are; their blocks are free before the next step."""
+        gone = set(request_ids)
+        for entry in list(self._compiling):
+            if entry.first.request_id in gone:
+                self._compiling.remove(entry)
+            else:
+                keep = [(r, p) for r, p in zip(entry.forks, entry.pending[1:]) if r.request_id not in gone]
+                entry.forks = [r for r, _ in keep]
+                entry.pending = [entry.pending[0], *(p for _, p in keep)]
         for request_id in request_ids:
             self.scheduler.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self._compiling)
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
+        failed = self._admit_compiled()
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return EngineCoreOutputs(stats=self.stats())
+            return EngineCoreOutputs(failed, stats=self.stats())
         result = self.executor.execute(sched)
         touched = self.scheduler.update(sched, result)
-        return EngineCoreOutputs([_output(r) for r in touched], self.stats())
+        return EngineCoreOutputs(failed + [_output(r) for r in touched], self.stats())
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Requests whose grammars are compiled join the scheduler; a grammar that failed to
+        compile finishes its request ("abort", the error as stop_reason). With nothing else to
+        run, waits a little for a compile rather than spin."""
+        if not self._compiling:
+            return []
+        if not self.scheduler.has_unfinished:
+            self._compiling[0].pending[-1].wait(COMPILE_WAIT_S)
+        failed = []
+        for entry in [c for c in self._compiling if all(p.ready for p in c.pending)]:
+            self._compiling.remove(entry)
+            try:
+                for request, pending in zip(entry.requests, entry.pending):
+                    request.grammar = self.structured.take(pending)
+            except (GrammarError, ValueError) as e:
+                logger.warning("request %s: its grammar does not compile: %s",
+                               entry.first.request_id, e)
+                for request in entry.requests:
+                    request.status, request.stop_reason = RequestStatus.FINISHED_ABORTED, str(e)
+                    failed.append(_output(request))
+                continue
+            self.scheduler.add(entry.first, fork_children=entry.forks)
+        return failed
 
     def stats(self) -> EngineStats:
         scheduler, kv = self.scheduler, self.kv
@@ -85,6 +159,8 @@ class EngineCore:
                            scheduler.stats.spec_num_verify_steps)
 
     def shutdown(self) -> None:
+        if self.structured is not None:
+            self.structured.shutdown()
         self.executor.shutdown()
 
 

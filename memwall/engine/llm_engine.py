@@ -42,7 +42,8 @@ class LLMEngine:
         self.core = core
         self.tokenizer = tokenizer
         info = core.info
-        self.processor = Processor(tokenizer, info.max_model_len, info.vocab_size, info.max_num_seqs)
+        self.processor = Processor(tokenizer, info.max_model_len, info.vocab_size, info.max_num_seqs,
+                                   info.structured_outputs_backend)
         self.outputs = OutputProcessor(tokenizer)
         self.stats = core.stats() if hasattr(core, "stats") else EngineStats()
         logger.info("%s: %s", self.model_name, self.describe())

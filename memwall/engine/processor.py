@@ -10,6 +10,8 @@ from typing import Any
 
 from memwall.engine.protocol import EngineCoreRequest
 from memwall.sampling_params import SamplingParams
+from memwall.structured.backend import DEFAULT_BACKEND
+from memwall.structured.backend import check as check_constraint
 from memwall.tokenizer.tokenizer import Tokenizer
 
 PromptType = str | list[int]
@@ -26,11 +28,12 @@ class InvalidRequestError(ValueError):
 
 class Processor:
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int,
-                 max_num_seqs: int) -> None:
+                 max_num_seqs: int, structured_outputs_backend: str = DEFAULT_BACKEND) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
+        self.structured_outputs_backend = structured_outputs_backend
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     **template_kwargs: Any) -> list[int]:
@@ -64,6 +67,7 @@ class Processor:
             raise InvalidRequestError(f"stop_token_ids {bad_stop} are outside the vocabulary "
                                       f"(0..{self.vocab_size - 1})", "stop_token_ids")
         max_tokens = self._resolve_max_tokens(prompt_ids, params)
+        self.check_structured_outputs(params)
         if params.n > self.max_num_seqs:
             # The n samples run side by side; more than the engine runs at once would never start.
             raise InvalidRequestError(f"n={params.n} is more than this server runs at once "
@@ -78,6 +82,16 @@ class Processor:
                 child_params = replace(child_params, prompt_logprobs=None)
             requests.append(EngineCoreRequest(child_id, list(prompt_ids), child_params, max_tokens, eos))
         return requests
+
+    def check_structured_outputs(self, params: SamplingParams, param: str = "structured_outputs") -> None:
+        """A schema, regex or grammar the backend will not compile is the user's error, found
+        before the request is queued (the engine core compiles it again, off its step loop)."""
+        if params.structured_outputs is None:
+            return
+        try:
+            check_constraint(params.structured_outputs, self.structured_outputs_backend)
+        except ValueError as e:  # GrammarError, or a backend that is not installed
+            raise InvalidRequestError(str(e), param) from None
 
     def _resolve_max_tokens(self, prompt_ids: list[int], params: SamplingParams) -> int:
         room = self.max_model_len - len(prompt_ids)

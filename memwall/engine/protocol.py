@@ -120,3 +120,5 @@ class EngineCoreInfo:
     max_num_seqs: int
     description: str
     """The start-up line: KV cache size, context window, device."""
+    structured_outputs_backend: str = "llguidance"
+    """The grammar backend the core compiles with (the API side checks constraints with it)."""

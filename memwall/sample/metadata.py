@@ -33,6 +33,9 @@ class SamplingMetadata:
     all_greedy: bool
     all_random: bool
     no_penalties: bool
+    token_bitmask: torch.Tensor | None = None
+    """[B, ceil(V / 32)] int32 allowed-token bits of structured-output rows (-1 rows: no
+    constraint); None when no row has one (memwall/sample/grammar_mask.py)."""
 
     @property
     def batch_size(self) -> int:
@@ -46,6 +49,7 @@ class SamplingMetadata:
         prompt_token_ids: list[list[int]],
         output_token_ids: list[list[int]],
         banned_token_ids: list[list[int]],
+        token_bitmask: torch.Tensor | None = None,
     ) -> SamplingMetadata:
         lengths = {len(params), len(generators), len(prompt_token_ids), len(output_token_ids),
                    len(banned_token_ids)}
@@ -72,6 +76,7 @@ class SamplingMetadata:
             all_greedy=all(greedy),
             all_random=not any(greedy),
             no_penalties=no_penalties,
+            token_bitmask=token_bitmask,
         )
 
 

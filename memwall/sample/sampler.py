@@ -1,6 +1,6 @@
 """Sampler: one step's logits -> sampled token ids (+ logprobs of the raw logits).
 
-Pipeline: logprobs (raw logits) -> banned tokens -> penalties -> greedy rows take argmax ->
+Pipeline: logprobs (raw logits) -> grammar mask -> banned tokens -> penalties -> greedy rows take argmax ->
 random rows: temperature, top-k, top-p, min-p, then an exponential race per row.
 """
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from memwall.sample.grammar_mask import apply_token_bitmask
 from memwall.sample.logprobs import LogprobsTensors, compute_logprobs
 from memwall.sample.metadata import SamplingMetadata
 from memwall.sample.penalties import apply_banned_tokens, apply_penalties
@@ -32,9 +33,11 @@ class Sampler:
 
     @staticmethod
     def adjusted(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """A float32 copy with banned tokens and penalties applied (the caller's logits stay
+        """A float32 copy with the grammar mask, banned tokens and penalties applied (the caller's logits stay
         raw for the logprobs). Greedy rows take its argmax."""
         work = logits.to(torch.float32, copy=True)  # [B, V]
+        if meta.token_bitmask is not None:
+            apply_token_bitmask(work, meta.token_bitmask)
         apply_banned_tokens(work, meta.banned_token_ids)
         if not meta.no_penalties:
             apply_penalties(work, meta)

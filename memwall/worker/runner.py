@@ -26,6 +26,7 @@ from memwall.config import DeviceConfig, ModelArchConfig, SpeculativeConfig
 from memwall.core.step import BlockTransfers, RunnerOutput, SampledToken, SchedulerOutput
 from memwall.loader.model_loader import LoadedModel
 from memwall.outputs import Logprob
+from memwall.sample.grammar_mask import stack_bitmask
 from memwall.sample.logprobs import LogprobsTensors, compute_logprobs
 from memwall.sample.metadata import SamplingMetadata
 from memwall.sample.sampler import Sampler
@@ -178,7 +179,7 @@ class ModelRunner:
         if inputs.sampling_ids:
             self._sample(logits[: len(inputs.sampling_ids)], inputs.sampling_ids, sched, out)
         if inputs.verify:
-            self._verify(logits, inputs.verify, out)
+            self._verify(logits, inputs.verify, sched.grammar_bitmask, out)
         for rows in inputs.prompt_rows:
             if not rows.rows:
                 continue
@@ -246,10 +247,13 @@ class ModelRunner:
         forks = {f.request_id: f for f in sched.forks}
         rows = [self._sampling_row(rid, forks) for rid in request_ids]
         params = [r[0] for r in rows]
+        masks = sched.grammar_bitmask
         meta = SamplingMetadata.build(
             params,
             [self._generator(rid, p) for rid, p in zip(request_ids, params)],
             [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows],
+            stack_bitmask([masks[rid][0] if rid in masks else None for rid in request_ids])
+            if masks else None,
         )
         result = self.sampler(logits, meta)
         tokens = result.sampled_token_ids.tolist()
@@ -261,11 +265,13 @@ class ModelRunner:
                 lp = _trim_top(lp, token, p.logprobs)
             out.sampled[request_id] = SampledToken(token, lp)
 
-    def _verify(self, logits: torch.Tensor, verify: list[VerifyRows], out: RunnerOutput) -> None:
+    def _verify(self, logits: torch.Tensor, verify: list[VerifyRows], masks: dict,
+                out: RunnerOutput) -> None:
         """Exact acceptance of each sequence's drafts (spec_decode/rejection.py). Position j of
         a sequence is sampled as if drafts 0..j-1 were already its output tokens: penalties
-        count them and min_tokens' banned ids end where they would."""
-        params, gens, prompts, outputs, banned = [], [], [], [], []
+        count them, min_tokens' banned ids end where they would, and a structured-output
+        request's grammar mask is the one after drafts 0..j-1 (``masks``, one row each)."""
+        params, gens, prompts, outputs, banned, mask_rows = [], [], [], [], [], []
         for v in verify:
             state = self.rows.states[v.request_id]
             p = state.sampling_params
@@ -281,9 +287,12 @@ class ModelRunner:
                 prompts.append(prompt)
                 outputs.append(history + v.draft_token_ids[:j] if penalized else [])
                 banned.append(_banned_ids(p, state.eos_token_ids, num_out + j))
+                mask = masks.get(v.request_id)
+                mask_rows.append(mask[j] if mask is not None else None)
         rows = [r for v in verify for r in v.rows]
         raw = logits[rows]  # [R, V]
-        meta = SamplingMetadata.build(params, gens, prompts, outputs, banned)
+        meta = SamplingMetadata.build(params, gens, prompts, outputs, banned,
+                                      stack_bitmask(mask_rows) if masks else None)
         work = self.sampler.adjusted(raw, meta)  # [R, V]
         argmax = work.argmax(dim=-1).tolist()
         offset = 0

@@ -21,6 +21,7 @@ from memwall.attention import kv_quant
 from memwall.config import CacheConfig, EngineArgs, ModelArchConfig, SchedulerConfig
 from memwall.core.step import RunnerOutput, SchedulerOutput
 from memwall.loader.model_loader import LoadedModel, load_model
+from memwall.structured.vocab import VocabInfo
 from memwall.worker.device import (GpuMemoryProfile, kv_cache_dtype, loader_quantization,
                                    place_model, profile_gpu_memory)
 from memwall.worker.kv_cache import KVCachePlan, plan_kv_cache
@@ -34,6 +35,8 @@ logger = logging.getLogger("memwall")
 class ModelInfo:
     name: str
     arch: ModelArchConfig
+    vocab: VocabInfo | None = None
+    """The tokenizer's tokens, for structured outputs' grammars (compiled in the engine core)."""
 
     @property
     def vocab_size(self) -> int:
@@ -68,7 +71,10 @@ class Worker:
                                      quantization=loader_quantization(self.args.quantization))
         self.model = place_model(self.loaded.model, dev, self.args.quantization)
         self._load_draft_model()
-        return ModelInfo(self.loaded.name, self.loaded.arch)
+        tokenizer = self.loaded.tokenizer
+        vocab = VocabInfo(tokenizer.backend.to_str(), self.loaded.arch.vocab_size,
+                          tuple(sorted(tokenizer.eos_token_ids)))
+        return ModelInfo(self.loaded.name, self.loaded.arch, vocab)
 
     def _load_draft_model(self) -> None:
         """The drafter of ``"method": "draft_model"``, loaded as the target is, its tokenizer
