@@ -73,6 +73,12 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--core-process", action=argparse.BooleanOptionalAction, default=True,
                        help="run the engine core in a process of its own, restarted if it dies "
                             "(default); --no-core-process runs it in the server's process")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='allow tool_choice "auto" (the model decides whether to call a tool; '
+                            '"required" and named functions always work, enforced by a grammar)')
+    serve.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json"],
+                       help="how tool calls are read from the output: hermes (<tool_call> tags: "
+                            "Hermes, Qwen2.5), llama3_json, or auto (from the chat template)")
     add_engine_flags(serve)
     serve.set_defaults(run=run_serve)
 

@@ -9,7 +9,7 @@ the validation is ``SamplingParams``' own (one source of truth for the messages)
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,6 +21,12 @@ MAX_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 NonEmptyTokens = Annotated[list[int], Field(min_length=1)]
+
+
+def _omitted_if_none(default: Any = None) -> Any:
+    """A response field left out of the JSON when None: OpenAI's spec makes it optional but
+    not nullable (e.g. a stream delta's role after the first chunk)."""
+    return Field(default, exclude_if=lambda value: value is None)
 
 
 class OpenAIModel(BaseModel):
@@ -88,8 +94,64 @@ class SamplingRequest(OpenAIModel):
             **{k: v for k, v in optional.items() if v is not None})
 
 
+# ---- structured outputs and tools (requests) ---------------------------------------------------
+class JsonSchemaFormat(OpenAIModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredRequest(OpenAIModel):
+    """Fields for constrained output, on both endpoints: OpenAI's ``response_format`` and vLLM's
+    ``structured_outputs`` ({"json" | "regex" | "choice" | "grammar" | "json_object": ...})."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(..., pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolParam(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str
+    """The arguments object as JSON text (as OpenAI sends it)."""
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 # ---- /v1/completions ---------------------------------------------------------------------------
-class CompletionRequest(SamplingRequest):
+class CompletionRequest(SamplingRequest, StructuredRequest):
     prompt: str | NonEmptyTokens | Annotated[list[str], Field(min_length=1)] \
         | Annotated[list[NonEmptyTokens], Field(min_length=1)]
     """A string, a list of strings, a list of token ids, or a list of token-id lists."""
@@ -126,7 +188,7 @@ class CompletionResponse(OpenAIModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
+    usage: UsageInfo | None = _omitted_if_none()
 
 
 # ---- /v1/chat/completions ----------------------------------------------------------------------
@@ -139,9 +201,13 @@ class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    """An assistant message's calls (the conversation so far)."""
+    tool_call_id: str | None = None
+    """A tool message: the call it answers."""
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(SamplingRequest, StructuredRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=1)
     """Deprecated by OpenAI in favour of max_completion_tokens; still honoured."""
@@ -149,6 +215,10 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[ChatCompletionToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """Default: "auto" when tools are given, else "none"."""
+    parallel_tool_calls: bool = True
 
 
 class TopLogprob(OpenAIModel):
@@ -163,11 +233,15 @@ class ChatLogprobToken(TopLogprob):
 
 class ChatLogprobs(OpenAIModel):
     content: list[ChatLogprobToken] | None = None
+    refusal: list[ChatLogprobToken] | None = None
 
 
 class ChatResponseMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
-    content: str = ""
+    content: str | None = ""
+    refusal: str | None = None
+    """Always null: memwall never refuses (the field is required by OpenAI's schema)."""
+    tool_calls: list[ToolCall] | None = _omitted_if_none()
 
 
 class ChatChoice(OpenAIModel):
@@ -187,9 +261,25 @@ class ChatCompletionResponse(OpenAIModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(OpenAIModel):
+    name: str | None = _omitted_if_none()
+    arguments: str | None = _omitted_if_none()
+
+
+class DeltaToolCall(OpenAIModel):
+    """A piece of a streamed call: id, type and name come once (its first delta), the
+    arguments' JSON text in pieces after."""
+
+    index: int
+    id: str | None = _omitted_if_none()
+    type: Literal["function"] | None = _omitted_if_none()
+    function: DeltaFunctionCall | None = _omitted_if_none()
+
+
 class DeltaMessage(OpenAIModel):
-    role: str | None = None
-    content: str | None = None
+    role: str | None = _omitted_if_none()
+    content: str | None = _omitted_if_none()
+    tool_calls: list[DeltaToolCall] | None = _omitted_if_none()
 
 
 class ChatStreamChoice(OpenAIModel):

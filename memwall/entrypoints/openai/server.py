@@ -41,7 +41,7 @@ from memwall.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from memwall.entrypoints.openai.serving_chat import OpenAIServingChat
+from memwall.entrypoints.openai.serving_chat import OpenAIServingChat, ToolSettings
 from memwall.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from memwall.entrypoints.openai.serving_engine import OpenAIServing
 
@@ -58,6 +58,8 @@ class ServerSettings:
     """At most this many requests wait for a slot; more get 429 + Retry-After. None = no limit."""
     drain_timeout: float | None = None
     """Seconds to wait for running requests at shutdown; None = as long as they take."""
+    tools: ToolSettings = field(default_factory=ToolSettings)
+    """--enable-auto-tool-choice and --tool-call-parser."""
 
 
 def build_app(engine: AsyncLLMEngine, settings: ServerSettings | None = None) -> FastAPI:
@@ -66,7 +68,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings | None = None) ->
     names = settings.served_model_names or [engine.model_name]
     metrics = ServerMetrics(engine)
     completions = OpenAIServingCompletion(engine, metrics, names, settings.max_queue)
-    chat = OpenAIServingChat(engine, metrics, names, settings.max_queue)
+    chat = OpenAIServingChat(engine, metrics, names, settings.max_queue, tools=settings.tools)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -209,7 +211,9 @@ def run_server(args) -> int:
         return 1
     names = args.served_model_name or []
     api_key = args.api_key or os.environ.get("MEMWALL_API_KEY") or None
-    settings = ServerSettings(served_model_names=names, api_key=api_key, max_queue=args.max_queue)
+    parser = None if args.tool_call_parser == "auto" else args.tool_call_parser
+    settings = ServerSettings(served_model_names=names, api_key=api_key, max_queue=args.max_queue,
+                              tools=ToolSettings(args.enable_auto_tool_choice, parser))
     serve(engine, settings, args.host, args.port)
     return 0
 

@@ -46,6 +46,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = self.clamp(request.sampling_params(
             request.max_tokens, request.logprobs,
             prompt_logprobs=request.logprobs if request.echo else None))
+        self.constrain(params, request)
         self.check_capacity()
         request_id = self.new_id("cmpl")
         streams, trackers = await self.start(request_id, prompts, params)

@@ -31,12 +31,13 @@ from memwall.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     SamplingRequest,
+    StructuredRequest,
     TokenizeRequest,
     TokenizeResponse,
     UsageInfo,
 )
 from memwall.outputs import RequestOutput
-from memwall.sampling_params import SamplingParams
+from memwall.sampling_params import SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
 SSE_DONE = "data: [DONE]\n\n"
@@ -92,6 +93,21 @@ class OpenAIServing:
         if bad is not None:
             raise bad_request(f"token id {bad} in {param} is outside the vocabulary (0..{vocab - 1})",
                               param)
+
+    def constrain(self, params: SamplingParams, request: StructuredRequest,
+                  tool_constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+        """Sets the request's output constraint (response_format, structured_outputs, or a
+        tool-call grammar) on ``params`` and checks that it compiles: a 400 naming the param."""
+        constraint, param = structured_constraint(request)
+        if tool_constraint is not None:
+            if constraint is not None:
+                raise bad_request(f"{param} cannot be combined with a required or named "
+                                  "tool_choice: the output is the tool call", param)
+            constraint, param = tool_constraint, "tools"
+        if constraint is not None:
+            params.structured_outputs = constraint
+            self.engine.processor.check_structured_outputs(params, param)
+        return params
 
     def clamp(self, params: SamplingParams) -> SamplingParams:
         # top_k above the vocabulary means "no top-k"; the sampler must never see k > vocab.
@@ -309,6 +325,39 @@ async def _merge(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, 
     finally:
         for task in tasks:
             task.cancel()
+
+
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
+
+
+def structured_constraint(request: StructuredRequest) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The constraint a request asks for, and the param that asked: OpenAI's response_format
+    ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema",
+    "strict"}}), or vLLM's structured_outputs object."""
+    fmt, body = request.response_format, request.structured_outputs
+    if body is not None:
+        if fmt is not None and fmt.type != "text":
+            raise bad_request("give either response_format or structured_outputs, not both",
+                              "structured_outputs")
+        unknown = sorted(set(body) - set(STRUCTURED_KEYS))
+        if unknown:
+            raise bad_request(f"structured_outputs.{unknown[0]} is not supported; use "
+                              f"{', '.join(STRUCTURED_KEYS)}", "structured_outputs")
+        try:
+            return StructuredOutputsParams(**body), "structured_outputs"
+        except ValueError as e:
+            raise bad_request(str(e), "structured_outputs") from None
+    if fmt is None or fmt.type == "text":
+        return None, None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True), "response_format"
+    if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+        raise bad_request('response_format of type "json_schema" needs json_schema.schema',
+                          "response_format")
+    try:
+        return StructuredOutputsParams(json=fmt.json_schema.json_schema), "response_format"
+    except ValueError as e:
+        raise bad_request(str(e), "response_format") from None
 
 
 def template_message(message: ChatMessage) -> dict:

@@ -33,7 +33,7 @@ class LiveServer:
     @classmethod
     def start(cls, model_dir, api_key: str | None = None, max_queue: int | None = None,
               served_model_names: list[str] | None = None, core_process: bool = False,
-              **engine_args) -> "LiveServer":
+              tools=None, **engine_args) -> "LiveServer":
         """``core_process``: the engine core in a process of its own, as under ``memwall serve``
         (default: in this process, so tests can reach into it)."""
         from memwall.config import EngineArgs
@@ -44,7 +44,7 @@ class LiveServer:
         args = EngineArgs(model=model, **{**ENGINE_ARGS, **engine_args})
         engine = build_engine(args, core_process)
         settings = ServerSettings(served_model_names=served_model_names or [], api_key=api_key,
-                                  max_queue=max_queue)
+                                  max_queue=max_queue, **({"tools": tools} if tools else {}))
         server = uvicorn_server(build_app(engine, settings), log_level="warning")
         sock = server_socket("127.0.0.1", 0)
         port = sock.getsockname()[1]
