@@ -7,8 +7,8 @@
     pending.take()  -> Grammar           ... with a fresh matcher, or GrammarError
 
 So a request with a never-seen schema waits for its own compile while every other request keeps
-stepping; the backend itself (the vocabulary's token table, ~0.2 s) is built on that thread too,
-when the first constrained request arrives.
+stepping. The default backend itself (the vocabulary's token table, ~0.2 s) is built on that
+thread as soon as the manager exists, so the first constrained request does not pay for it.
 """
 
 from __future__ import annotations
@@ -61,6 +61,14 @@ class StructuredOutputManager:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memwall-grammar")
         self._backends: dict[str, GrammarBackend] = {}
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._warm = self._thread.submit(self._backend, backend)  # in the background
+
+    def _backend(self, name: str) -> GrammarBackend:
+        """On the manager's thread only: the backends dict is written nowhere else."""
+        backend = self._backends.get(name)
+        if backend is None:
+            backend = self._backends[name] = make_backend(name, self.vocab)
+        return backend
 
     def submit(self, params: StructuredOutputsParams) -> PendingGrammar:
         name = params.backend or self.default_backend
@@ -82,12 +90,8 @@ class StructuredOutputManager:
         return self._backends[pending.backend].new_grammar(compiled)
 
     def _compile(self, name: str, params: StructuredOutputsParams):
-        """On the manager's thread only: the backends dict is written nowhere else."""
         start = time.perf_counter()
-        backend = self._backends.get(name)
-        if backend is None:
-            backend = self._backends[name] = make_backend(name, self.vocab)
-        compiled = backend.compile(params)
+        compiled = self._backend(name).compile(params)
         self.stats.num_compiled += 1
         self.stats.compile_seconds += time.perf_counter() - start
         return compiled
