@@ -94,6 +94,21 @@ def test_speculation_keeps_greedy_output_identical(tiny_llama):
         assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
 
 
+def test_preemption_keeps_grammars_in_step(tiny_llama):
+    """Recompute and swap: a preempted request keeps its output and so its grammar's state."""
+    prompts = [[5 + i, 6, 7] * (3 + i) for i in range(8)]
+    params = constrained(temperature=0, max_tokens=40, regex=REPEATS)
+    roomy = LLM(str(tiny_llama), num_kv_blocks=256, block_size=4).generate(prompts, params)
+    for mode in ("recompute", "swap"):
+        llm = LLM(str(tiny_llama), num_kv_blocks=40, block_size=4, max_num_seqs=8,
+                  max_num_batched_tokens=16, preemption_mode=mode)
+        tight = llm.generate(prompts, params)
+        assert llm.engine.core.scheduler.num_preemptions > 0, "the pool was meant to run dry"
+        assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in roomy]
+        assert all(follows_repeats(o.outputs[0]) for o in tight)
+        assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+
+
 def test_sampled_speculation_still_matches(tiny_llama):
     llm = LLM(str(tiny_llama), speculative_config=NGRAM, num_kv_blocks=256, block_size=4)
     outs = llm.generate([[9, 10, 11] * 5] * 6, constrained(temperature=1.0, seed=7, max_tokens=48,

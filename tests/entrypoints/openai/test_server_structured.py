@@ -128,18 +128,46 @@ def _check_call(call: dict, tools=(WEATHER, TIME)) -> dict:
     return arguments
 
 
-def test_tool_call_round_trip(smol_server):
-    first = chat(smol_server, messages=ASK, tools=[WEATHER, TIME], tool_choice="required")
-    choice = first["choices"][0]
-    assert choice["finish_reason"] == "tool_calls"
-    calls = choice["message"]["tool_calls"]
+def streamed_chat(server, **body) -> tuple[str | None, list[dict], str]:
+    """A streamed chat's content, its calls rebuilt from the deltas, and its finish reason."""
+    with server.client() as http:
+        response = http.post("/v1/chat/completions", json={
+            "model": "smol", "max_tokens": 200, "temperature": 0, "stream": True, **body})
+    events = check_sse_chunks(response.text, CHAT_COMPLETION_CHUNK)
+    content, calls = "", {}
+    for event in events:
+        for choice in event["choices"]:
+            content += choice["delta"].get("content") or ""
+            for piece in choice["delta"].get("tool_calls", []):
+                call = calls.setdefault(piece["index"], {"id": piece.get("id"), "type": "function",
+                                                         "function": {"name": None, "arguments": ""}})
+                function = piece.get("function", {})
+                call["function"]["name"] = function.get("name") or call["function"]["name"]
+                call["function"]["arguments"] += function.get("arguments", "")
+    return content or None, [calls[i] for i in sorted(calls)], events[-1]["choices"][0]["finish_reason"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_call_round_trip(smol_server, stream):
+    """call -> tool result -> final answer, each turn streamed or not."""
+    if stream:
+        _, calls, finish = streamed_chat(smol_server, messages=ASK, tools=[WEATHER, TIME],
+                                         tool_choice="required")
+    else:
+        choice = chat(smol_server, messages=ASK, tools=[WEATHER, TIME], tool_choice="required")["choices"][0]
+        calls, finish = choice["message"]["tool_calls"], choice["finish_reason"]
+    assert finish == "tool_calls"
     assert calls and all(_check_call(c) is not None for c in calls)
     # the tool's answer goes back; the model answers in words
     history = ASK + [{"role": "assistant", "content": None, "tool_calls": calls}] + [
         {"role": "tool", "tool_call_id": c["id"], "content": json.dumps({"temperature": 18})}
         for c in calls]
-    final = chat(smol_server, messages=history, tools=[WEATHER, TIME], tool_choice="none")
-    answer = final["choices"][0]
+    if stream:
+        content, more_calls, finish = streamed_chat(smol_server, messages=history,
+                                                    tools=[WEATHER, TIME], tool_choice="none")
+        assert content and not more_calls and finish in ("stop", "length")
+        return
+    answer = chat(smol_server, messages=history, tools=[WEATHER, TIME], tool_choice="none")["choices"][0]
     assert answer["finish_reason"] in ("stop", "length") and answer["message"]["content"]
     assert "tool_calls" not in answer["message"]
 
