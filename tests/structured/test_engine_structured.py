@@ -136,17 +136,30 @@ def _slow_compiles(monkeypatch, seconds: float) -> None:
 
 
 def test_a_compiling_grammar_never_stalls_other_requests(tiny_llama, monkeypatch):
-    _slow_compiles(monkeypatch, 1.5)
+    """The compile is held until the plain request has finished: the engine must get there."""
+    import threading
+
+    release = threading.Event()
+    original = StructuredOutputManager._compile
+
+    def held(self, name, params):
+        assert release.wait(timeout=60), "the test never released the compile"
+        return original(self, name, params)
+    monkeypatch.setattr(StructuredOutputManager, "_compile", held)
     llm = LLM(str(tiny_llama), num_kv_blocks=256, block_size=4)
     engine = llm.engine
     engine.add_request("constrained", [4, 5, 6], constrained(regex=r"[a-f]{3}", temperature=0))
     engine.add_request("plain", [4, 5, 6], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    start, finished = time.monotonic(), {}
+    finished: list[str] = []
+    try:
+        while "plain" not in finished:
+            finished += [o.request_id for o in engine.step() if o.finished]
+        assert finished == ["plain"] and len(engine.core._compiling) == 1
+    finally:
+        release.set()
     while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = time.monotonic() - start
-    assert finished["plain"] < 1.0 < finished["constrained"]
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == ["plain", "constrained"]
     assert engine.num_free_blocks == engine.num_total_blocks
 
 

@@ -31,12 +31,10 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def smol_server(gguf_path):
-    from conftest import LiveServer
-
+def smol_server(gguf_path, start_server):
     from memwall.entrypoints.openai.serving_chat import ToolSettings
 
-    live = LiveServer.start(gguf_path, served_model_names=["smol"], tools=ToolSettings(True),
+    live = start_server(gguf_path, served_model_names=["smol"], tools=ToolSettings(True),
                             num_kv_blocks=512, max_model_len=2048, max_num_batched_tokens=1024,
                             threads=2)
     yield live
