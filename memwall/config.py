@@ -33,9 +33,43 @@ class ModelArchConfig:
     qk_norm: bool = False
     rope_scaling: dict[str, Any] | None = None
     sliding_window: int | None = None
-    """Mistral's attention window; the engine caps the context at it (we attend fully)."""
+    """The attention window of sliding layers. With ``layer_types`` (Gemma) the attention
+    attends the last ``sliding_window`` keys in those layers; without (Mistral, Phi-3: every
+    layer), the engine caps the context at it and attends fully."""
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # ---- Gemma 2 / Gemma 3 (defaults: the Llama family) ----
+    layer_types: tuple[str, ...] | None = None
+    """Per layer "sliding_attention" or "full_attention" (Gemma 2 alternates, Gemma 3 has 5
+    sliding layers to 1 full one)."""
+    hidden_act: str = "silu"
+    """The MLP's gate activation: silu, or gelu_pytorch_tanh (Gemma's GeGLU)."""
+    embed_scale: float | None = None
+    """Gemma multiplies the token embeddings by sqrt(hidden_size)."""
+    attn_scale: float | None = None
+    """Softmax scale, when not head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)."""
+    rope_local_theta: float | None = None
+    """Rope base of the sliding layers when it differs (Gemma 3: 10,000 vs 1,000,000)."""
+    attn_logit_softcap: float | None = None
+    """Gemma 2: attention scores become cap * tanh(score / cap)."""
+    final_logit_softcap: float | None = None
+    """Gemma 2: logits become cap * tanh(logit / cap)."""
+    sandwich_norms: bool = False
+    """Gemma: the attention and MLP outputs are normed too (4 norms a layer)."""
+    norm_weight_offset: float = 0.0
+    """Added to every RMSNorm weight at load: Gemma checkpoints store w for (1 + w) (GGUF
+    files already hold 1 + w)."""
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of a layer, None for full attention."""
+        if self.layer_types is None or self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def context_cap(self) -> int | None:
+        """A window the engine caps the context at: a uniform one it does not attend natively."""
+        return self.sliding_window if self.layer_types is None else None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelArchConfig":
@@ -49,6 +83,14 @@ class ModelArchConfig:
             rope_theta = rope_params.get("rope_theta", 10000.0)
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = dict(rope_params)
+        if isinstance((rope_params.get("full_attention") or {}).get("rope_type"), str):
+            kind = rope_params["full_attention"]["rope_type"]  # Gemma 3: per layer type
+            rope_scaling = None if kind == "default" else dict(rope_params["full_attention"])
+        gemma = _gemma_fields(cfg, model_type, rope_params)
+        if gemma.get("rope_theta") is not None:
+            rope_theta = gemma.pop("rope_theta")
+        if model_type == "phi3" and (cfg.get("partial_rotary_factor") or 1.0) != 1.0:
+            raise ValueError("Phi models with partial rotary embeddings are not supported")
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -64,12 +106,45 @@ class ModelArchConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v bias; Llama/Mistral only when attention_bias says so.
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text", "gemma3"),
             rope_scaling=rope_scaling,
             sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
+            **gemma,
         )
+
+
+GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3")
+
+
+def _gemma_fields(cfg: dict[str, Any], model_type: str, rope_params: dict) -> dict[str, Any]:
+    """Gemma 2 / 3's extra shape, from their config.json (old and transformers-5 forms)."""
+    if model_type not in GEMMA_TYPES:
+        return {}
+    layers = cfg["num_hidden_layers"]
+    pattern = 2 if model_type == "gemma2" else cfg.get("sliding_window_pattern", 6)
+    layer_types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    fields: dict[str, Any] = dict(
+        layer_types=tuple(layer_types),
+        hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
+        embed_scale=cfg["hidden_size"] ** 0.5,
+        attn_scale=float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+        attn_logit_softcap=cfg.get("attn_logit_softcapping"),
+        final_logit_softcap=cfg.get("final_logit_softcapping"),
+        sandwich_norms=True,
+        norm_weight_offset=0.0 if cfg.get("memwall_norms_hold_offset") else 1.0,
+    )
+    if model_type != "gemma2":  # per-layer-type rope: full layers the global base
+        full = rope_params.get("full_attention") or {}
+        local = rope_params.get("sliding_attention") or {}
+        fields["rope_theta"] = full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+        fields["rope_local_theta"] = float(local.get("rope_theta", cfg.get("rope_local_base_freq",
+                                                                           10_000.0)))
+    return fields
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,22 @@ def tiny_config(kind: str):
         return transformers.Qwen2Config(**common)
     if kind == "qwen3":
         return transformers.Qwen3Config(**common, head_dim=32)
+    # Gemma: 4 layers, a window of 8 tokens (prompts of 40 cross it), sliding and full layers
+    gemma = {**common, "num_hidden_layers": 4, "head_dim": 16, "sliding_window": 8,
+             "query_pre_attn_scalar": 24, "hidden_activation": "gelu_pytorch_tanh",
+             "tie_word_embeddings": True}
+    if kind == "gemma2":
+        return transformers.Gemma2Config(**gemma, attn_logit_softcapping=20.0,
+                                         final_logit_softcapping=15.0)
+    if kind == "gemma3":
+        return transformers.Gemma3TextConfig(
+            **gemma, layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                  "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+    if kind == "phi3":
+        return transformers.Phi3Config(**{**common, "num_key_value_heads": 2}, sliding_window=None,
+                                       pad_token_id=0)
     raise ValueError(kind)
 
 

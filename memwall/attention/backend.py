@@ -51,8 +51,10 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim]."""
+                meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim]. ``window``: a
+        sliding layer's window; ``softcap``: scores capped by tanh (Gemma)."""
 
 
 class TorchBackend(AttentionBackend):
@@ -62,8 +64,9 @@ class TorchBackend(AttentionBackend):
     def _write(self, k_cache, v_cache, k, v, meta) -> None:
         paged_torch.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
 
-    def forward(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
-        return paged_torch.paged_attention(q, k_cache, v_cache, meta, scale)
+    def forward(self, q, k_cache, v_cache, meta, scale, window=None, softcap=None) -> torch.Tensor:
+        return paged_torch.paged_attention(q, k_cache, v_cache, meta, scale, window=window,
+                                           softcap=softcap)
 
 
 class CpuBackend(TorchBackend):
@@ -83,10 +86,13 @@ class CpuBackend(TorchBackend):
         else:
             super()._write(k_cache, v_cache, k, v, meta)
 
-    def forward(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, meta, scale, window=None, softcap=None) -> torch.Tensor:
+        """A sliding layer's decode rows run natively while the window hides no key (a context
+        no longer than the window); past it, and with a softcap, the reference runs them."""
         native = q.dtype == torch.float32 and k_cache.dtype in kv_quant.NATIVE_CODES
         return paged_torch.paged_attention(q, k_cache, v_cache, meta, scale,
-                                           decode=_native_decode if native else None)
+                                           decode=_native_decode if native else None,
+                                           window=window, softcap=softcap)
 
 
 class TritonBackend(AttentionBackend):
@@ -99,8 +105,12 @@ class TritonBackend(AttentionBackend):
             k, v = to_fp8(k, k_cache.dtype), to_fp8(v, v_cache.dtype)
         triton_backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
 
-    def forward(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, meta, scale, window=None, softcap=None) -> torch.Tensor:
         from memwall.attention import triton_backend
+        if softcap is not None or paged_torch.window_cuts(meta, range(meta.num_seqs), window):
+            # the triton kernels attend every key without a cap; this step needs the reference
+            return paged_torch.paged_attention(q, k_cache, v_cache, meta, scale, window=window,
+                                               softcap=softcap)
         return triton_backend.paged_attention(q, k_cache, v_cache, meta, scale)
 
 
@@ -141,8 +151,9 @@ def write_kv(k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
     get_backend(meta.backend).write_kv(k_cache, v_cache, k, v, meta)
 
 
-def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    return get_backend(meta.backend).forward(q, k_cache, v_cache, meta, scale)
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    return get_backend(meta.backend).forward(q, k_cache, v_cache, meta, scale, window, softcap)
 
 
 def _native_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> None:

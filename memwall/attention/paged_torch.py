@@ -6,6 +6,10 @@ its own blocks: decodes in one padded batch, prefill chunks one by one with a ca
 offset by the tokens already in the cache (so chunked prefill and prefix reuse come for free).
 K/V are stored in the cache's format (memwall/attention/kv_quant.py) and dequantized as they
 are gathered: an int8 cache carries its scales [num_blocks, block_size, kv_heads] beside it.
+
+Gemma's options: a sliding ``window`` (a query at position p sees keys p - window + 1 .. p;
+blocks wholly before a sequence's first visible key are not even gathered) and a logit
+``softcap`` (scores become cap * tanh(score / cap) before the softmax).
 """
 
 from __future__ import annotations
@@ -25,15 +29,62 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, decode=None) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, decode=None, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim]. ``decode``: another
-    implementation of ``_decode`` (same signature) for the one-token rows, e.g. a native kernel."""
+    implementation of ``_decode`` (same signature) for the one-token rows, e.g. a native kernel;
+    used unless a window cuts a decode row's keys or a softcap applies."""
     out = torch.empty_like(q)
     if meta.decode_seq_ids:
-        (decode or _decode)(q, k_cache, v_cache, meta, scale, out)
+        if softcap is None and not window_cuts(meta, meta.decode_seq_ids, window):
+            (decode or _decode)(q, k_cache, v_cache, meta, scale, out)
+        else:
+            for seq in meta.decode_seq_ids:
+                _attend_one(q, k_cache, v_cache, meta, scale, out, seq, window, softcap)
     for seq in meta.prefill_seq_ids:
-        _prefill_one(q, k_cache, v_cache, meta, scale, out, seq)
+        if window is None and softcap is None:
+            _prefill_one(q, k_cache, v_cache, meta, scale, out, seq)
+        else:
+            _attend_one(q, k_cache, v_cache, meta, scale, out, seq, window, softcap)
     return out
+
+
+def window_cuts(meta: AttentionMetadata, seqs, window: int | None) -> bool:
+    """Whether a window hides any key from these sequences' queries (else it changes nothing)."""
+    return window is not None and max(meta.seq_lens[s] for s in seqs) > window
+
+
+def _attend_one(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out, seq: int,
+                window: int | None, softcap: float | None) -> None:
+    """One sequence's queries with a sliding window and/or a logit softcap (Gemma)."""
+    start, end = meta.query_start[seq], meta.query_start[seq + 1]
+    seq_len, q_len = meta.seq_lens[seq], end - start
+    first_query = seq_len - q_len
+    first_key = 0 if window is None else max(0, first_query - window + 1)
+    first_block = first_key // meta.block_size  # earlier blocks hold no visible key
+    num_blocks = -(-seq_len // meta.block_size)
+    offset = first_block * meta.block_size
+    table = meta.block_tables[seq, first_block:num_blocks]
+    k = _gather(k_cache, table, seq_len - offset)  # [keys, kv_heads, head_dim] from `offset`
+    v = _gather(v_cache, table, seq_len - offset)
+    q_pos = torch.arange(first_query, seq_len, device=q.device).unsqueeze(1)  # [q_len, 1]
+    k_pos = torch.arange(offset, seq_len, device=q.device).unsqueeze(0)  # [1, keys]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    if softcap is None:
+        out[start:end] = _sdpa(q[start:end].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                               mask.unsqueeze(0), scale)[0]
+        return
+    group = q.shape[1] // k.shape[1]
+    qs = q[start:end].transpose(0, 1)  # [H, q_len, D]
+    ks = k.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, keys, D]
+    vs = v.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(qs, ks.transpose(1, 2)) * scale  # [H, q_len, keys]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out[start:end] = torch.matmul(probs, vs).transpose(0, 1)  # [q_len, H, D]
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

@@ -9,6 +9,8 @@ blk.{i}.attn_output.weight           model.layers.{i}.self_attn.o_proj.weight
 blk.{i}.attn_{q,k}_norm.weight       model.layers.{i}.self_attn.{q,k}_norm.weight   (qwen3)
 blk.{i}.ffn_norm.weight              model.layers.{i}.post_attention_layernorm.weight
 blk.{i}.ffn_{gate,up,down}.weight    model.layers.{i}.mlp.{gate,up,down}_proj.weight
+Gemma: blk.{i}.post_attention_norm, ffn_norm, post_ffw_norm -> post_attention_layernorm,
+       pre_feedforward_layernorm, post_feedforward_layernorm (norm weights hold 1 + w already)
 output_norm.weight                   model.norm.weight
 output.weight                        lm_head.weight            (absent when tied)
 
@@ -35,10 +37,11 @@ from memwall.loader.gguf_weights import SUPPORTED_GGUF_TYPES, dequantize, is_sup
 __all__ = ["ModelLoadError", "SUPPORTED_GGUF_ARCHS", "SUPPORTED_GGUF_TYPES", "open_gguf",
            "gguf_hf_config", "iter_gguf_tensors"]
 
-SUPPORTED_GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 
 _HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                     "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                  "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -46,7 +49,11 @@ _LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                 "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
                 "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                 "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+                # Gemma's sandwich norms (its ffn_norm is the pre-feedforward one: _GEMMA_NAMES)
+                "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+_GEMMA_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Not weights of the HF model: llama3 rope factors (read into rope_scaling instead) and the
 # rotary inv_freq buffers some old converters kept.
@@ -163,7 +170,9 @@ def gguf_hf_config(reader: GGUFFile) -> dict[str, Any]:
     head_dim = _head_dim(reader, arch, tensors, hidden, heads)
     rope_theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
     has_bias = "blk.0.attn_q.bias" in tensors
-    return {
+    if arch == "gemma3":
+        model_type = "gemma3_text"
+    config = {
         "model_type": model_type,
         "architectures": [_HF_ARCHITECTURES[model_type]],
         "vocab_size": _vocab_size(reader, arch, tensors),
@@ -182,6 +191,29 @@ def gguf_hf_config(reader: GGUFFile) -> dict[str, Any]:
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }
+    if arch in ("gemma2", "gemma3"):
+        config.update(_gemma_config(reader, arch, config))
+    return config
+
+
+def _gemma_config(reader: GGUFFile, arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    """What llama.cpp knows of Gemma without metadata (llama-model.cpp): the sliding-layer
+    pattern (every 2nd layer full in Gemma 2, every 6th in Gemma 3), the local rope base
+    (10,000), and the attention scale: 1/sqrt(head_dim), except the 27B models' 1/sqrt(hidden /
+    heads)."""
+    hidden, heads, layers = config["hidden_size"], config["num_attention_heads"], config["num_hidden_layers"]
+    big = (arch, layers) in (("gemma2", 46), ("gemma3", 62))  # the 27B models
+    out = {"hidden_activation": "gelu_pytorch_tanh",
+           "sliding_window": _field(reader, f"{arch}.attention.sliding_window"),
+           "sliding_window_pattern": 2 if arch == "gemma2" else 6,
+           "query_pre_attn_scalar": hidden // heads if big else config["head_dim"],
+           "memwall_norms_hold_offset": True}
+    if arch == "gemma2":
+        out["attn_logit_softcapping"] = _field(reader, "gemma2.attn_logit_softcapping")
+        out["final_logit_softcapping"] = _field(reader, "gemma2.final_logit_softcapping")
+    else:
+        out["rope_local_base_freq"] = 10_000.0
+    return out
 
 
 def _head_dim(reader: GGUFFile, arch: str, tensors: dict, hidden: int, heads: int) -> int:
@@ -291,19 +323,21 @@ def llama3_scaling_from_factors(factors: np.ndarray, theta: float, dim: int) -> 
 
 # --------------------------------------------------------------------------- tensors
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The HF name of a GGUF tensor; None for tensors that are not model weights;
-    ModelLoadError for names this loader does not know."""
+def hf_tensor_name(gguf_name: str, arch: str | None = None) -> str | None:
+    """The HF name of a GGUF tensor (``arch``: the file's general.architecture, where names
+    differ by family); None for tensors that are not model weights; ModelLoadError for names
+    this loader does not know."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     if _IGNORED_RE.fullmatch(gguf_name):
         return None
+    names = _GEMMA_NAMES if arch in ("gemma2", "gemma3") else _LAYER_NAMES
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    if m is None or m.group(2) not in names:
         raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent in the "
                              f"supported architectures ({', '.join(SUPPORTED_GGUF_ARCHS)})")
     layer, part, kind = m.groups()
-    return f"model.layers.{int(layer)}.{_LAYER_NAMES[part]}.{kind}"
+    return f"model.layers.{int(layer)}.{names[part]}.{kind}"
 
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -322,8 +356,9 @@ def _check_tensors(reader: GGUFFile, config: dict[str, Any]) -> None:
     """Fail before loading anything: every tensor must have a known name, a layer index
     inside the model, and a supported type."""
     layers = config["num_hidden_layers"]
+    arch = _field(reader, "general.architecture")
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, arch)
         if name is None:
             continue
         if name.startswith("model.layers.") and int(name.split(".")[2]) >= layers:
@@ -346,11 +381,12 @@ def iter_gguf_tensors(reader: GGUFFile, config: dict[str, Any],
     """
     _check_tensors(reader, config)
     # Only llama-arch files were permuted by the converter; qwen2/qwen3 are stored as-is.
-    permuted = _field(reader, "general.architecture") in ("llama", "mistral")
+    arch = _field(reader, "general.architecture")
+    permuted = arch in ("llama", "mistral")
     heads = {".self_attn.q_proj.": config["num_attention_heads"],
              ".self_attn.k_proj.": config["num_key_value_heads"]}
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, arch)
         if name is None or name in skip:
             continue
         w = dequantize(t.data, t.tensor_type, _np_shape(t))

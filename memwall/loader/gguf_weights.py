@@ -9,7 +9,8 @@ The block layouts follow ggml (ggml-common.h / ggml-quants.c). The arithmetic is
 the same order as gguf-py's numpy reference (``gguf.quants``), so results are bit-identical
 to it, which is what transformers uses when it loads a GGUF file.
 
-``QK_K`` = 256 is the super-block size of the K-quants; the legacy quants use 32.
+``QK_K`` = 256 is the super-block size of the K-quants (and IQ4_XS); the legacy quants and
+IQ4_NL use 32.
 """
 
 from __future__ import annotations
@@ -24,8 +25,12 @@ from memwall.loader.errors import ModelLoadError
 
 QK_K = 256
 
-SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
-                        "Q6_K")
+SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K",
+                        "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+
+# IQ4_NL/IQ4_XS's 16 non-uniform levels (ggml-common.h kvalues_iq4nl): a 4-bit code indexes this
+KVALUES_IQ4NL = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                             dtype=torch.int8)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -103,6 +108,56 @@ def _q5_1(b: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- K-quants (256 values a super-block)
 
+def q2_k_codes(qs: torch.Tensor) -> torch.Tensor:
+    """Q2_K/Q3_K's 2-bit fields [n, 64] bytes -> [n, 16, 16] (16-value groups), codes 0..3.
+
+    Each 32-byte half holds 128 values: bits 2t..2t+1 of byte i are value 32t + i of the half.
+    """
+    return _bits(qs, range(0, 8, 2), 0x03, 32).reshape(qs.shape[0], 16, 16)
+
+
+def q3_k_codes(b: torch.Tensor) -> torch.Tensor:
+    """Q3_K's signed 3-bit codes -4..3 [n, 16, 16]: the 2 low bits as Q2_K's, and bit j of
+    hmask[i] for value 32j + i, which when CLEAR subtracts 4 (ggml stores the bit inverted)."""
+    hi = _bits(b[:, 0:32], range(8), 0x01, 32).reshape(b.shape[0], 16, 16)
+    return q2_k_codes(b[:, 32:96]).to(torch.int8) - ((hi ^ 1) << 2).to(torch.int8)
+
+
+def q3_k_scales(s: torch.Tensor) -> torch.Tensor:
+    """Q3_K's 12-byte scale field -> 16 six-bit scales minus 32, int8 [n, 16] (-32..31).
+
+    byte:  0..7                  8..11     (A..P = scales 0..15)
+           IIIIAAAA .. PPPPHHHH  MMIIEEAA .. PPLLHHDD
+    Scale j takes its low 4 bits from the low (j < 8) or high (j >= 8) nibble of byte j % 8,
+    and its top 2 bits from bits 2(j // 4).. of byte 8 + j % 4.
+    """
+    lo = _nibbles(s[:, 0:8], 8).reshape(s.shape[0], 16)
+    hi = _bits(s[:, 8:12], range(0, 8, 2), 0x03, 4).reshape(s.shape[0], 16)
+    return (lo | (hi << 4)).to(torch.int8) - 32
+
+
+def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    """Q2_K, 84 bytes:  | scales 16 (low nibble: scale, high: min) | qs 64 | d f16 | dmin f16 |
+
+    16 groups of 16, codes as in :func:`q2_k_codes`. value = d*scale[j] * q - dmin*min[j].
+    """
+    n = b.shape[0]
+    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    dl = (d * (b[:, 0:16] & 0x0F).float()).reshape(n, 16, 1)
+    ml = (dmin * (b[:, 0:16] >> 4).float()).reshape(n, 16, 1)
+    return (dl * q2_k_codes(b[:, 16:80]).float() - ml).reshape(n, QK_K)
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    """Q3_K, 110 bytes:  | hmask 32 | qs 64 | scales 12 | d f16 |
+
+    16 groups of 16, codes -4..3 (:func:`q3_k_codes`). value = d*(scale[j] - 32) * q.
+    """
+    n = b.shape[0]
+    dl = (_f16(b[:, 108:110]) * q3_k_scales(b[:, 96:108]).float()).reshape(n, 16, 1)
+    return (dl * q3_k_codes(b).float()).reshape(n, QK_K)
+
+
 def _k_scales_mins(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Unpack the 12-byte scale field shared by Q4_K and Q5_K into 8 six-bit scales and mins.
 
@@ -167,15 +222,55 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return ((d * scales).reshape(n, 16, 1) * q).reshape(n, QK_K)
 
 
+# --------------------------------------------------------------------------- IQ4 (non-uniform 4-bit levels)
+
+def iq4_levels(qs: torch.Tensor) -> torch.Tensor:
+    """[n, k*16] bytes of 4-bit indices (as Q4_0's nibbles, per 16 bytes) -> int8 levels
+    [n, k, 32] from KVALUES_IQ4NL."""
+    return KVALUES_IQ4NL[_nibbles(qs, 16).reshape(qs.shape[0], -1, 32).long()]
+
+
+def iq4_xs_scales(b: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS's eight 6-bit scales minus 32, int8 [n, 8] (-32..31).
+
+    Scale j: low 4 bits from scales_l[j // 2] (low nibble for even j: interleaved per byte,
+    unlike the codes), top 2 bits from bits 2j..2j+1 of the little-endian u16 scales_h.
+    """
+    sl = b[:, 4:8]
+    lo = torch.stack([sl & 0x0F, sl >> 4], dim=2).reshape(b.shape[0], 8)
+    hi = _bits(b[:, 2:4], range(0, 8, 2), 0x03, 1).reshape(b.shape[0], 8)
+    return (lo | (hi << 4)).to(torch.int8) - 32
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    """IQ4_NL, 18 bytes:  | d f16 | qs 16 (as Q4_0) |   value = d * KVALUES_IQ4NL[q]"""
+    return _f16(b[:, :2]) * iq4_levels(b[:, 2:]).reshape(b.shape[0], 32).float()
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS, 136 bytes:  | d f16 | scales_h u16 | scales_l 4 | qs 128 |
+
+    8 groups of 32, each 16-byte run of qs one group (as IQ4_NL).
+    value = d*(scale[j] - 32) * KVALUES_IQ4NL[q].
+    """
+    n = b.shape[0]
+    dl = (_f16(b[:, :2]) * iq4_xs_scales(b).float()).reshape(n, 8, 1)
+    return (dl * iq4_levels(b[:, 8:]).float()).reshape(n, QK_K)
+
+
 _BLOCK_KERNELS: dict[QType, Callable[[torch.Tensor], torch.Tensor]] = {
     QType.Q8_0: _q8_0,
     QType.Q4_0: _q4_0,
     QType.Q4_1: _q4_1,
     QType.Q5_0: _q5_0,
     QType.Q5_1: _q5_1,
+    QType.Q2_K: _q2_k,
+    QType.Q3_K: _q3_k,
     QType.Q4_K: _q4_k,
     QType.Q5_K: _q5_k,
     QType.Q6_K: _q6_k,
+    QType.IQ4_NL: _iq4_nl,
+    QType.IQ4_XS: _iq4_xs,
 }
 
 # numpy dtype whose bytes are the element, for the unquantized types

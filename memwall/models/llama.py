@@ -23,7 +23,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: K and V [num_blocks, b
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, layer: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
@@ -37,7 +37,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qkv_proj: nn.Module | None = None
         """q, k and v in one matmul, built by fuse_projections() after loading."""
-        self.scale = self.head_dim ** -0.5
+        self.scale = cfg.attn_scale or self.head_dim ** -0.5
+        self.window = cfg.layer_window(layer)
+        """A sliding layer's window (Gemma); None: every earlier key."""
+        self.softcap = cfg.attn_logit_softcap
         self.attn_backend: AttentionBackend | None = None
         """Bound once by the runner (memwall/attention/backend.py:bind); None: the backend
         that built the step's metadata."""
@@ -57,13 +60,24 @@ class Attention(nn.Module):
         q, k = RotaryEmbedding.apply(rope, q, k)
         backend = self.attn_backend or get_backend(meta.backend)
         backend.write_kv(kv_cache[0], kv_cache[1], k, v, meta)
-        o = backend.forward(q, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, D]
+        if self.window is None and self.softcap is None:
+            o = backend.forward(q, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, D]
+        else:
+            o = backend.forward(q, kv_cache[0], kv_cache[1], meta, self.scale, self.window,
+                                self.softcap)
         return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
 
 
+ACTIVATIONS = {"silu": nn.functional.silu,
+               "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
+
+
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
         super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(f"activation {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+        self.act = ACTIVATIONS[act]
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
@@ -75,7 +89,7 @@ class MLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -109,6 +123,9 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    native_decode = True
+    """memwall/kernels/cpu/decode.c computes this layout's decode step in one call."""
+
     def __init__(self, cfg: ModelArchConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -135,7 +152,10 @@ class LlamaForCausalLM(nn.Module):
         except the names in ``absent`` (weights the loader keeps quantized instead)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in weights:
+        offset = self.config.norm_weight_offset
+        for name, tensor in _split_fused(weights, self.config):
+            if offset and name.endswith("norm.weight"):
+                tensor = tensor + offset  # Gemma stores w for (1 + w)
             if "rotary_emb.inv_freq" in name:
                 continue  # old checkpoints store the rope table; we compute our own
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
@@ -168,6 +188,24 @@ class LlamaForCausalLM(nn.Module):
                 del attn.q_proj, attn.k_proj, attn.v_proj
             if mlp.gate_up_proj is not None:
                 del mlp.gate_proj, mlp.up_proj
+
+
+def _split_fused(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelArchConfig):
+    """Phi-3 checkpoints hold q/k/v in one ``qkv_proj`` and gate/up in one ``gate_up_proj``:
+    split into the separate projections this model loads (fuse_projections joins them again)."""
+    q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    for name, tensor in weights:
+        if name.endswith("self_attn.qkv_proj.weight"):
+            prefix = name[: -len("qkv_proj.weight")]
+            for part, t in zip("qkv", tensor.split([q_size, kv_size, kv_size])):
+                yield f"{prefix}{part}_proj.weight", t
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            prefix = name[: -len("gate_up_proj.weight")]
+            gate, up = tensor.chunk(2)
+            yield f"{prefix}gate_proj.weight", gate
+            yield f"{prefix}up_proj.weight", up
+        else:
+            yield name, tensor
 
 
 def _concat_linears(parts: list[nn.Module]) -> nn.Module | None:

@@ -7,6 +7,19 @@ native (fp32, exact): every weight is rebuilt as s * q + c with ggml's own fp32 
     Q5_0 / Q5_1 / Q5_K  -> NativeQ8: int8 codes, s and c per 32 values       1.25 B/weight
     Q8_0                -> NativeQ8 (as above)
     Q6_K                -> NativeQ8: int8 codes (q - 32), s per 16 values    1.5  B/weight
+    Q2_K                -> NativeQ8: codes 0..3, s = d*sc, c = -dmin*mn      1.5  B/weight
+                           per 16 values
+    Q3_K                -> NativeQ8: codes -4..3, s = d*(sc - 32) per 16     1.5  B/weight
+    IQ4_NL              -> NativeQ8: codes KVALUES_IQ4NL[q], s = d per 32    1.125 B/weight
+                           (fp16 tables: s is d itself, c is 0)
+    IQ4_XS              -> NativeQ8: codes KVALUES_IQ4NL[q], s = d*(ls-32)   1.25 B/weight
+                           per 32
+    (B/weight counts fp32 s and c tables; scale_tables stores fp16 ones where every value fits.)
+    Q2_K, Q3_K and IQ4 take 2.6, 3.4 and 4.25-4.5 bits a weight in the file, so kept as int8
+    codes they grow 2-5x (still at most 3/8 of fp32), and stay exact.
+    Exact because s * q is exact in fp32 for all four (at most 11 + 5 + 7 = 23 significant
+    bits: an fp16 d, a 6-bit scale, a code up to 127), so the kernel's multiply-then-add
+    rounds only where ggml's does, in Q2_K's subtraction of dmin*mn.
 
 torch (torch's bf16 ops; int4 planes are  w = (code - 8) * scale + zero, group 32):
     type  ggml value                     int4 plane(s)                               exact?
@@ -21,11 +34,15 @@ torch (torch's bf16 ops; int4 planes are  w = (code - 8) * scale + zero, group 3
     Q8_0  d * q, q in -128..127          plane hi: code (q >> 4) + 8, scale 16d,      yes*
                                          zero 0; plane lo: code q & 15, scale d, zero 8d
     Q6_K  d*sc[j] * (q - 32), j per 16   per-channel int8 (Int8WeightOnly)            no
+    Q2_K  d*sc[j] * q - dmin*mn[j]       per-channel int8 (j per 16 values)           no
+    Q3_K  d*(sc[j] - 32) * q, j per 16   per-channel int8                             no
+    IQ4_NL d * KVALUES_IQ4NL[q]          per-channel int8                             no
+    IQ4_XS d*(ls[j] - 32) * KVALUES[q]   per-channel int8 (j per 32 values)           no
 
     * up to bf16 rounding of scale and zero (relative 2^-9), because the op reads bf16;
       and the op also takes bf16 activations and rounds its output to bf16.
-    Q6_K's 16-value groups are below the op's minimum group (32), so it is dequantized and
-    requantized per channel.
+    Q6_K, Q2_K and Q3_K's 16-value groups are below the op's minimum group (32), and IQ4's
+    levels are not evenly spaced, so those are dequantized and requantized per channel.
 
 F32/F16/BF16 weights are not returned: they load as floats and stay nn.Linear.
 GGUF's quantized blocks run along the input dimension, so permuting whole rows (llama's
@@ -42,7 +59,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 
 from memwall.loader.gguf_loader import hf_tensor_name, unpermute_qk
 from memwall.loader.gguf_weights import (QK_K, _bits, _f16, _k_scales_mins, _nibbles, dequantize,
-                                         q5_codes)
+                                         iq4_levels, iq4_xs_scales, q2_k_codes, q3_k_codes,
+                                         q3_k_scales, q5_codes)
 from memwall.quant.base import QuantWeights
 from memwall.quant.int4_cpu import Int4WeightOnly, NativeQ4
 from memwall.quant.int8_cpu import Int8WeightOnly, NativeQ8
@@ -118,7 +136,9 @@ _PLANES: dict[QType, Callable[[torch.Tensor], Planes]] = {
     QType.Q4_0: _q4_0, QType.Q4_1: _q4_1, QType.Q5_0: _q5_0, QType.Q5_1: _q5_1, QType.Q4_K: _q4_k,
     QType.Q5_K: _q5_k, QType.Q8_0: _q8_0,
 }
-REPACKABLE = (*_PLANES, QType.Q6_K)
+# no exact int4-plane form (groups of 16, or IQ4's uneven levels): requantized to int8 rows
+_REQUANTIZED = (QType.Q6_K, QType.Q2_K, QType.Q3_K, QType.IQ4_NL, QType.IQ4_XS)
+REPACKABLE = (*_PLANES, *_REQUANTIZED)
 
 
 # --------------------------------------------------------------------------- native (fp32) layouts
@@ -177,9 +197,32 @@ def _n_q6_k(b: torch.Tensor) -> Codes:
     return q, s, torch.zeros_like(s)
 
 
+def _n_q2_k(b: torch.Tensor) -> Codes:
+    # s * q is exact (d*sc has at most 15 bits, q 2), so s * q + c rounds as d*sc * q - dmin*mn
+    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    s, c = d * (b[:, 0:16] & 0x0F).float(), -(dmin * (b[:, 0:16] >> 4).float())  # [n, 16]
+    return q2_k_codes(b[:, 16:80]).reshape(b.shape[0], QK_K).to(torch.int8), s, c
+
+
+def _n_q3_k(b: torch.Tensor) -> Codes:
+    s = _f16(b[:, 108:110]) * q3_k_scales(b[:, 96:108]).float()  # [n, 16]
+    return q3_k_codes(b).reshape(b.shape[0], QK_K), s, torch.zeros_like(s)
+
+
+def _n_iq4_nl(b: torch.Tensor) -> Codes:
+    d = _f16(b[:, :2])  # [n, 1]
+    return iq4_levels(b[:, 2:]).reshape(b.shape[0], 32), d, torch.zeros_like(d)
+
+
+def _n_iq4_xs(b: torch.Tensor) -> Codes:
+    s = _f16(b[:, :2]) * iq4_xs_scales(b).float()  # [n, 8]
+    return iq4_levels(b[:, 8:]).reshape(b.shape[0], QK_K), s, torch.zeros_like(s)
+
+
 _NATIVE: dict[QType, Callable[[torch.Tensor], Codes]] = {
     QType.Q4_0: _n_q4_0, QType.Q4_1: _n_q4_1, QType.Q5_0: _n_q5_0, QType.Q5_1: _n_q5_1,
     QType.Q4_K: _n_q4_k, QType.Q5_K: _n_q5_k, QType.Q8_0: _n_q8_0, QType.Q6_K: _n_q6_k,
+    QType.Q2_K: _n_q2_k, QType.Q3_K: _n_q3_k, QType.IQ4_NL: _n_iq4_nl, QType.IQ4_XS: _n_iq4_xs,
 }
 _NATIVE_4BIT = (QType.Q4_0, QType.Q4_1, QType.Q4_K)
 
@@ -215,9 +258,9 @@ def repack(raw: torch.Tensor | np.ndarray, qtype: QType, shape: tuple[int, int],
                          f"hold {n * k} values")
     if use_native(backend):
         return _repack_native(blocks, qtype, n, k)
-    if qtype == QType.Q6_K:  # groups of 16: no exact int4 form; requantize to int8 rows
+    if qtype in _REQUANTIZED:
         w = dequantize(raw_t.numpy(), qtype, shape)
-        return Int8WeightOnly().create_weights(w, source="gguf Q6_K -> int8 per-channel")
+        return Int8WeightOnly().create_weights(w, source=f"gguf {qtype.name} -> int8 per-channel")
     q, scale, zero = _PLANES[qtype](blocks)  # [P, n_blocks, block], [P, n_blocks, groups]
     planes = q.shape[0]
     method = Int4WeightOnly(group_size=32)

@@ -44,10 +44,11 @@ class ModelInfo:
 
     @property
     def max_len(self) -> int:
-        """The longest context the model supports (its sliding window, if it has one)."""
+        """The longest context the model supports (a uniform sliding window, if it has one:
+        windows per layer, as Gemma's, are attended natively)."""
         model_len = self.arch.max_position_embeddings
-        if self.arch.sliding_window:
-            model_len = min(model_len, self.arch.sliding_window)
+        if self.arch.context_cap:
+            model_len = min(model_len, self.arch.context_cap)
         return model_len
 
 

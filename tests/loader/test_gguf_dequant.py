@@ -43,7 +43,7 @@ def assert_matches_reference(raw: np.ndarray, qtype: Q, shape: tuple[int, ...]) 
 
 def test_supported_types_are_the_documented_ones():
     assert set(SUPPORTED_GGUF_TYPES) == {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K",
-                                         "Q5_K", "Q6_K"}
+                                         "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"}
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)
@@ -112,7 +112,7 @@ def test_bf16_in_every_raw_form():
     assert np.abs(ref - floats).max() <= np.abs(floats).max() / 128
 
 
-@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.Q2_K, Q.Q3_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.IQ3_S, Q.TQ1_0], ids=lambda q: q.name)
 def test_unsupported_type_is_named(qtype):
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     with pytest.raises(ModelLoadError, match=qtype.name) as err:

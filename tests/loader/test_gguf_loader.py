@@ -202,12 +202,12 @@ def test_unsupported_tensor_type_names_tensor_and_type(tmp_path):
     weights = hf_weights()
     key = "model.layers.1.mlp.up_proj.weight"
     rows, cols = weights[key][0].shape
-    block, type_size = gguf.GGML_QUANT_SIZES[Q.IQ4_NL]
+    block, type_size = gguf.GGML_QUANT_SIZES[Q.Q8_1]
     raw = np.zeros((rows, cols // block * type_size), np.uint8)  # zero blocks of a type we lack
-    weights[key] = (raw, Q.IQ4_NL, weights[key][2])
+    weights[key] = (raw, Q.Q8_1, weights[key][2])
     reader = open_gguf(write_gguf(tmp_path / "m.gguf", weights))
     tensors = iter_gguf_tensors(reader, gguf_hf_config(reader))
-    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up\.weight.*IQ4_NL") as err:
+    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up\.weight.*Q8_1") as err:
         next(tensors)  # fails before decoding anything
     assert all(t in str(err.value) for t in SUPPORTED_GGUF_TYPES)
 

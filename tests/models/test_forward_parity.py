@@ -16,7 +16,7 @@ from memwall.models.registry import build_model
 from memwall.worker.kv_cache import KVCachePlan, allocate_kv_cache
 
 ATOL = RTOL = 1e-4
-KINDS = ["llama", "llama3", "llama_tied", "mistral", "qwen2", "qwen3"]
+KINDS = ["llama", "llama3", "llama_tied", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]
 
 
 def load_ours(path):

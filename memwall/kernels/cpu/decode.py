@@ -110,6 +110,8 @@ class NativeDecoder:
     @classmethod
     def _build(cls, net: nn.Module, kv_caches) -> "NativeDecoder":
         cfg, inner = net.config, net.model
+        if not getattr(net, "native_decode", False):
+            raise Unsupported(f"{type(net).__name__} is not a layout decode.c computes")
         if len(kv_caches) != len(inner.layers):
             raise Unsupported(f"{len(kv_caches)} KV caches for {len(inner.layers)} layers")
         cache_shape = tuple(kv_caches[0][0].shape)  # [num_blocks, block_size, kv_heads, head_dim]
