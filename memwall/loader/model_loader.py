@@ -71,7 +71,7 @@ def load_model(model: str | os.PathLike | None, dtype: str = "float32",
         if path.is_file():
             arch, tensors, tokenizer, count, packed = _open_gguf(path, torch_dtype, quantization)
         else:
-            arch, tensors, tokenizer, count, packed = _open_hf_dir(path, torch_dtype)
+            arch, tensors, tokenizer, count, packed = _open_hf_dir(path, torch_dtype, quantization)
         if tokenizer_path is not None:
             tokenizer = Tokenizer.from_pretrained(tokenizer_path)
         net = _build_unfilled(arch, torch_dtype)
@@ -194,11 +194,16 @@ def _open_gguf(path: Path, dtype: torch.dtype, quantization: str):
     return arch, tensors, tokenizer, count, packed
 
 
-def _open_hf_dir(path: Path, dtype: torch.dtype):
+def _open_hf_dir(path: Path, dtype: torch.dtype, quantization: str):
     from memwall.loader.hf_loader import iter_hf_tensors, read_hf_config
 
-    arch = ModelArchConfig.from_hf_dict(read_hf_config(path))
+    cfg = read_hf_config(path)
+    arch = ModelArchConfig.from_hf_dict(cfg)
     tokenizer = Tokenizer.from_pretrained(str(path))
+    if cfg.get("quantization_config"):  # AWQ / GPTQ int4 or FP8 (memwall/loader/hf_quantized.py)
+        from memwall.loader.hf_quantized import open_quantized
+        tensors, packed = open_quantized(path, cfg, arch, dtype, quantization)
+        return arch, tensors, tokenizer, None, packed
     return arch, iter_hf_tensors(path, dtype), tokenizer, None, {}
 
 

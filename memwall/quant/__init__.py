@@ -5,6 +5,7 @@
     int4_cpu.py     NativeQ4 (native), Int4WeightOnly (torch's bf16 tinygemm op, the fallback)
     int8_cpu.py     NativeQ8 (native), Int8WeightOnly (torch's bf16 int8 op, the fallback)
     gguf_repack.py  raw GGUF blocks -> those layouts, no float copy
+    act_order.py    PermutedInput: GPTQ act-order weights (inputs gathered by a permutation)
     transform.py    quantize_model(model, method, gguf_raw): swap nn.Linear in place
 
 Use after the model is built and loaded:
