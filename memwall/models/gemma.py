@@ -11,9 +11,9 @@
     MLP           GeGLU: gelu(gate, tanh approximation) * up
 
 Attention, MLP and the weight loading are the Llama family's (memwall/models/llama.py); the
-decoder layer and the model differ. The fused CPU decode step (decode.c) computes the Llama
-layout only: Gemma's decode steps run this forward, its matmuls and paged attention still the
-native kernels.
+decoder layer and the model differ. The fused CPU decode step (decode.c) computes Gemma 3's
+decode steps too, while no sequence is longer than the sliding window; past it, and for Gemma 2
+(soft-capped scores), this forward runs them (its matmuls still the native kernels).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class GemmaModel(nn.Module):
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
-    native_decode = False  # decode.c computes the Llama layout only
+    native_decode = True  # decode.c has Gemma's norms, GeGLU and per-layer rope (not softcaps)
 
     def __init__(self, cfg: ModelArchConfig) -> None:
         nn.Module.__init__(self)

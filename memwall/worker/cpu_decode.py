@@ -19,6 +19,11 @@ class FusedCpuDecode:
 
     def __init__(self, model: torch.nn.Module, decoder) -> None:
         self.model, self.decoder = model, decoder
+        cfg = model.config
+        windows = [w for w in (cfg.layer_window(i) for i in range(cfg.num_hidden_layers)) if w]
+        self.max_len = min(windows) if windows else None
+        """decode.c attends every key: past the smallest sliding window the model runs instead."""
+        self.embed_scale = getattr(model.model, "embed_scale", None)
 
     @classmethod
     def build(cls, model: torch.nn.Module, kv_caches: list) -> "FusedCpuDecode | None":
@@ -30,12 +35,15 @@ class FusedCpuDecode:
         return cls(model, decoder) if decoder is not None else None
 
     def can_run(self, attn: AttentionMetadata) -> bool:
-        return self.use_native_decode and not attn.prefill_seq_ids and attn.decode is not None
+        return (self.use_native_decode and not attn.prefill_seq_ids and attn.decode is not None
+                and (self.max_len is None or max(attn.seq_lens) <= self.max_len))
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             attn: AttentionMetadata) -> torch.Tensor:
         """hidden [B, hidden] after the final norm, like the model's forward."""
         batch = attn.decode
         embeddings = self.model.model.embed_tokens(input_ids)  # [B, hidden]
+        if self.embed_scale is not None:  # Gemma, as its forward scales them
+            embeddings = embeddings * torch.tensor(self.embed_scale, dtype=embeddings.dtype)
         return self.decoder.step(embeddings, positions, attn.slot_mapping, batch.seq_lens,
                                  batch.block_tables)

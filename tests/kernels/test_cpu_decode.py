@@ -70,7 +70,7 @@ def _prompts(vocab: int, lengths=(5, 17, 1 + 2, 9)) -> list[list[int]]:
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "phi3"])
 @pytest.mark.parametrize("quant", [None, "int8", "int4"])
 def test_native_decode_matches_torch(tiny_model_dir, kind, quant):
     loaded = load_model(str(tiny_model_dir(kind)))
@@ -86,6 +86,32 @@ def test_native_decode_matches_torch(tiny_model_dir, kind, quant):
     for (rk, rv), (gk, gv) in zip(ref_caches, got_caches):  # same K/V written to the same slots
         torch.testing.assert_close(gk, rk, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(gv, rv, atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_native_decode_computes_gemma3_inside_its_window(tiny_model_dir, quant):
+    """Sandwich norms, GeGLU, scaled embeddings, local and global rope tables; the tiny config's
+    window is 8 tokens: every sequence stays inside it, and one step past it is refused."""
+    loaded = load_model(str(tiny_model_dir("gemma3")))
+    model = loaded.model
+    if quant:
+        model = copy.deepcopy(model)
+        quantize_model(model, quant)
+    prompts = _prompts(loaded.arch.vocab_size, (2, 1, 3))
+    ref, _ = _run_steps(model, loaded.arch, prompts, 5, native_decode=False)
+    got, caches = _run_steps(model, loaded.arch, prompts, 5, native_decode=True)
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    fused = FusedCpuDecode.build(model, caches)
+    assert fused.max_len == 8
+    assert not fused.can_run(AttentionMetadata.build([1], [9], [[0, 1, 2]], BLOCK))
+
+
+def test_gemma2_softcaps_keep_the_model_path(tiny_model_dir):
+    loaded = load_model(str(tiny_model_dir("gemma2")))
+    caches = allocate_kv_cache(loaded.arch, KVCachePlan(8, BLOCK, 0), torch.float32)
+    assert FusedCpuDecode.build(loaded.model, caches) is None
 
 
 @torch.inference_mode()

@@ -16,6 +16,12 @@
  *   x = x + a @ Wo                   h = rms_norm(x) * w_post
  *   x = x + (silu(h @ Wg) * (h @ Wu)) @ Wd                           final: rms_norm(x) * w_final
  *
+ * Gemma 3's layout is the same with three options: the attention and MLP outputs are normed
+ * before they join the residual (attn_out_norm, ffn_out_norm), the gate is GeLU (tanh form)
+ * instead of SiLU, and a layer may have rotary tables of its own (the sliding layers' local
+ * base). Its sliding windows are not applied here: the caller runs this step only while no
+ * sequence is longer than the window (memwall/worker/cpu_decode.py).
+ *
  * KV cache layout per layer: [num_blocks, block_size, kv_heads, head_dim] in the model's
  * kv_type (float32, float16, bfloat16, int8 + scales, float8: paged_attention.c writes and
  * reads every format; the activations stay float32). The structs below are mirrored by
@@ -56,6 +62,10 @@ typedef struct {
     void* v_cache;
     float* k_scale;         /* MW_KV_I8: [n_blocks, block_size, n_kv_heads]; else NULL */
     float* v_scale;
+    const float* attn_out_norm; /* [hidden] or NULL: Gemma norms the attention output ... */
+    const float* ffn_out_norm;  /* ... and the MLP output before the residual add */
+    const float* rope_cos;      /* [max_positions, head_dim / 2] or NULL: the step's tables */
+    const float* rope_sin;
 } mw_layer;
 
 typedef struct {
@@ -66,7 +76,10 @@ typedef struct {
     float eps, scale;
     const mw_layer* layers;
     const float* final_norm;
+    int64_t act;            /* the gate's activation: MW_ACT_SILU or MW_ACT_GELU_TANH */
 } mw_model;
+
+enum { MW_ACT_SILU = 0, MW_ACT_GELU_TANH = 1 };
 
 /* ------------------------------------------------------------------ small helpers */
 
@@ -197,28 +210,39 @@ static void rope_and_write(const mw_model* m, const mw_layer* L, float* qkv, flo
     }
 }
 
-/* act[b, i] = silu(gate[b, i]) * up[b, i], gate_up rows [B, gate | up] */
-static void silu_mul(const float* gate_up, float* act, int64_t B, int64_t inter) {
+/* act[b, i] = g(gate[b, i]) * up[b, i], gate_up rows [B, gate | up]. Both activations are
+ * x * sigmoid(z): SiLU with z = x, GeLU's tanh form with z = 2 sqrt(2/pi) (x + 0.044715 x^3)
+ * (0.5 (1 + tanh(y)) = sigmoid(2y)). */
+static void gate_mul(const float* gate_up, float* act, int64_t B, int64_t inter, int64_t kind) {
+    const float c1 = kind == MW_ACT_GELU_TANH ? 1.5957691216057308f : 1.f;
+    const float c3 = kind == MW_ACT_GELU_TANH ? 1.5957691216057308f * 0.044715f : 0.f;
     for (int64_t b = 0; b < B; b++) {
         const float* g = gate_up + b * 2 * inter;
         float* a = act + b * inter;
         int64_t i = 0;
 #if defined(__AVX512F__)
-        const __m512 one = _mm512_set1_ps(1.f);
+        const __m512 one = _mm512_set1_ps(1.f), k1 = _mm512_set1_ps(c1), k3 = _mm512_set1_ps(c3);
         for (; i + 16 <= inter; i += 16) {
             __m512 gi = _mm512_loadu_ps(g + i);
-            __m512 sig = _mm512_div_ps(gi, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gi))));
+            __m512 z = kind == MW_ACT_GELU_TANH  /* SiLU keeps z = x exactly (and x^3 cannot overflow) */
+                ? _mm512_fmadd_ps(_mm512_mul_ps(k3, gi), _mm512_mul_ps(gi, gi), _mm512_mul_ps(k1, gi)) : gi;
+            __m512 sig = _mm512_div_ps(gi, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), z))));
             _mm512_storeu_ps(a + i, _mm512_mul_ps(sig, _mm512_loadu_ps(g + inter + i)));
         }
 #elif defined(__AVX2__) && defined(__FMA__)
-        const __m256 one = _mm256_set1_ps(1.f);
+        const __m256 one = _mm256_set1_ps(1.f), k1 = _mm256_set1_ps(c1), k3 = _mm256_set1_ps(c3);
         for (; i + 8 <= inter; i += 8) {
             __m256 gi = _mm256_loadu_ps(g + i);
-            __m256 sig = _mm256_div_ps(gi, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gi))));
+            __m256 z = kind == MW_ACT_GELU_TANH
+                ? _mm256_fmadd_ps(_mm256_mul_ps(k3, gi), _mm256_mul_ps(gi, gi), _mm256_mul_ps(k1, gi)) : gi;
+            __m256 sig = _mm256_div_ps(gi, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), z))));
             _mm256_storeu_ps(a + i, _mm256_mul_ps(sig, _mm256_loadu_ps(g + inter + i)));
         }
 #endif
-        for (; i < inter; i++) a[i] = g[i] / (1.f + expf(-g[i])) * g[inter + i];
+        for (; i < inter; i++) {
+            float z = kind == MW_ACT_GELU_TANH ? c1 * g[i] + c3 * g[i] * g[i] * g[i] : g[i];
+            a[i] = g[i] / (1.f + expf(-z)) * g[inter + i];
+        }
     }
 }
 
@@ -267,18 +291,26 @@ int mw_decode_step(const mw_model* m, float* x, int64_t B, const int64_t* positi
         const mw_layer* L = &m->layers[l];
         STAGE(0, for (int64_t b = 0; b < B; b++) rms_norm(x + b * Hd, L->in_norm, h + b * Hd, Hd, m->eps));
         STAGE(1, proj_apply(&L->qkv, h, B, big, qkv_size, tmp));  /* [B, q | k | v] */
-        STAGE(2, rope_and_write(m, L, big, qbuf, B, positions, slots, rope_cos, rope_sin));
+        STAGE(2, rope_and_write(m, L, big, qbuf, B, positions, slots,
+                                L->rope_cos ? L->rope_cos : rope_cos,
+                                L->rope_sin ? L->rope_sin : rope_sin));
         STAGE(3, rc = mw_paged_attention_run(qbuf, L->k_cache, L->v_cache, L->k_scale,
                                              L->v_scale, (int)m->kv_type, block_tables,
                                              table_width, seq_lens, B, H, Hkv, D, m->block_size,
                                              m->scale, attn));
         if (rc != MW_OK) break;
         STAGE(4, proj_apply(&L->o, attn, B, act, Hd, tmp));
+        if (L->attn_out_norm)
+            STAGE(0, for (int64_t b = 0; b < B; b++)
+                         rms_norm(act + b * Hd, L->attn_out_norm, act + b * Hd, Hd, m->eps));
         STAGE(0, for (int64_t i = 0; i < B * Hd; i++) x[i] += act[i];
                  for (int64_t b = 0; b < B; b++) rms_norm(x + b * Hd, L->post_norm, h + b * Hd, Hd, m->eps));
         STAGE(5, proj_apply(&L->gate_up, h, B, big, 2 * inter, tmp));  /* [B, gate | up] */
-        STAGE(6, silu_mul(big, act, B, inter));
+        STAGE(6, gate_mul(big, act, B, inter, m->act));
         STAGE(7, proj_apply(&L->down, act, B, h, Hd, tmp));
+        if (L->ffn_out_norm)
+            STAGE(0, for (int64_t b = 0; b < B; b++)
+                         rms_norm(h + b * Hd, L->ffn_out_norm, h + b * Hd, Hd, m->eps));
         STAGE(0, for (int64_t i = 0; i < B * Hd; i++) x[i] += h[i]);
     }
     if (rc == MW_OK)

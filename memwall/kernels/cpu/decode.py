@@ -37,14 +37,18 @@ class Proj(ctypes.Structure):
 class Layer(ctypes.Structure):
     _fields_ = [("in_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p),
                 ("qkv", Proj), ("o", Proj), ("gate_up", Proj), ("down", Proj),
-                ("k_cache", _p), ("v_cache", _p), ("k_scale", _p), ("v_scale", _p)]
+                ("k_cache", _p), ("v_cache", _p), ("k_scale", _p), ("v_scale", _p),
+                ("attn_out_norm", _p), ("ffn_out_norm", _p), ("rope_cos", _p), ("rope_sin", _p)]
 
 
 class Model(ctypes.Structure):
     _fields_ = [("n_layers", _i64), ("hidden", _i64), ("n_heads", _i64), ("n_kv_heads", _i64),
                 ("head_dim", _i64), ("inter", _i64), ("block_size", _i64), ("n_blocks", _i64),
                 ("max_positions", _i64), ("kv_type", _i64), ("eps", _f32), ("scale", _f32),
-                ("layers", ctypes.POINTER(Layer)), ("final_norm", _p)]
+                ("layers", ctypes.POINTER(Layer)), ("final_norm", _p), ("act", _i64)]
+
+
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # MW_ACT_* in decode.c
 
 
 class Unsupported(Exception):
@@ -112,6 +116,8 @@ class NativeDecoder:
         cfg, inner = net.config, net.model
         if not getattr(net, "native_decode", False):
             raise Unsupported(f"{type(net).__name__} is not a layout decode.c computes")
+        if cfg.attn_logit_softcap is not None or cfg.hidden_act not in ACTIVATIONS:
+            raise Unsupported("soft-capped attention scores or another activation")
         if len(kv_caches) != len(inner.layers):
             raise Unsupported(f"{len(kv_caches)} KV caches for {len(inner.layers)} layers")
         cache_shape = tuple(kv_caches[0][0].shape)  # [num_blocks, block_size, kv_heads, head_dim]
@@ -128,7 +134,17 @@ class NativeDecoder:
                 raise Unsupported("projections are not fused")
             entry = layers[i]
             entry.in_norm = _ptr(layer.input_layernorm.weight)
-            entry.post_norm = _ptr(layer.post_attention_layernorm.weight)
+            if cfg.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention output
+                entry.attn_out_norm = _ptr(layer.post_attention_layernorm.weight)
+                entry.post_norm = _ptr(layer.pre_feedforward_layernorm.weight)
+                entry.ffn_out_norm = _ptr(layer.post_feedforward_layernorm.weight)
+            else:
+                entry.post_norm = _ptr(layer.post_attention_layernorm.weight)
+            if getattr(layer, "local_rope", False):  # Gemma 3's sliding layers: their own base
+                local = inner.local_rotary
+                cos, sin = local.cos.float().contiguous(), local.sin.float().contiguous()
+                keep += [cos, sin]
+                entry.rope_cos, entry.rope_sin = cos.data_ptr(), sin.data_ptr()
             if hasattr(attn, "q_norm"):
                 entry.q_norm, entry.k_norm = _ptr(attn.q_norm.weight), _ptr(attn.k_norm.weight)
             for field, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj),
@@ -150,7 +166,8 @@ class NativeDecoder:
                       cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
                       cache_shape[1], cache_shape[0], rope_cos.shape[0],
                       kv_quant.NATIVE_CODES[kv_dtype], eps.pop(),
-                      inner.layers[0].self_attn.scale, layers, _ptr(inner.norm.weight))
+                      inner.layers[0].self_attn.scale, layers, _ptr(inner.norm.weight),
+                      ACTIVATIONS[cfg.hidden_act])
         return cls(model, layers, kv_caches, rope_cos, rope_sin, keep)
 
     def step(self, embeddings: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
