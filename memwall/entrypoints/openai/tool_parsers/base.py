@@ -435,6 +435,15 @@ class ToolParser(ABC):
     def _new_call(self) -> CallStreamer:
         return CallStreamer(self._next_index, self.args_keys)
 
+    def _feed_call(self, call: CallStreamer, out: DeltaBuilder) -> int | None:
+        """Feeds the buffer to the call being read. None while its object is still open (the
+        buffer is consumed); else the index in the buffer just past it (closed or broken)."""
+        end = call.feed(self._buffer, out)
+        if not (call.reader.done or call.reader.invalid):
+            self._buffer = ""
+            return None
+        return end
+
     def _next_index(self) -> int:
         self._num_calls += 1
         return self._num_calls - 1

@@ -104,9 +104,8 @@ class Llama3JsonToolParser(ToolParser):
 
     def _in_object(self, out: DeltaBuilder) -> bool:
         call = self._call
-        end = call.feed(self._buffer, out)
-        if not (call.reader.done or call.reader.invalid):
-            self._buffer = ""
+        end = self._feed_call(call, out)
+        if end is None:
             return False
         if call.committed:
             call.close(out)
