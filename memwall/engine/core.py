@@ -74,7 +74,8 @@ class EngineCore:
                                    sched_cfg.max_num_seqs,
                                    description + (f"; {device_text}" if device_text else ""),
                                    args.structured_outputs_backend)
-        self.structured = (StructuredOutputManager(model.vocab, args.structured_outputs_backend)
+        self.structured = (StructuredOutputManager(model.vocab, args.structured_outputs_backend,
+                                                   warmup=args.structured_outputs_warmup)
                            if model.vocab is not None else None)
         self._compiling: list[_Compiling] = []
 

@@ -80,7 +80,8 @@ def add_serve_parser(sub) -> None:
                        help="how tool calls are read from the output: hermes (<tool_call> tags: "
                             "Hermes, Qwen2.5), llama3_json, or auto (from the chat template)")
     add_engine_flags(serve)
-    serve.set_defaults(run=run_serve)
+    # a server expects constrained requests: their grammar backend is built while it starts
+    serve.set_defaults(run=run_serve, structured_outputs_warmup=True)
 
 
 # Where the command line wants another default than the library: people at a terminal like

@@ -198,3 +198,24 @@ def test_a_grammar_that_fails_in_the_core_aborts_only_its_request(tiny_llama):
     assert reasons["good"][0] == "length"
     assert reasons["bad"][0] == "abort" and reasons["bad"][1]  # the compile error, as stop_reason
     assert core.kv.num_free_blocks == core.kv.num_total_blocks
+
+
+def test_servers_warm_the_backend_up_and_offline_engines_wait_for_a_request():
+    from memwall.entrypoints.cli import build_parser, engine_args_from
+
+    parser = build_parser()
+    assert engine_args_from(parser.parse_args(["serve"])).structured_outputs_warmup
+    assert not engine_args_from(parser.parse_args(["serve", "--no-structured-outputs-warmup"])
+                                ).structured_outputs_warmup
+    assert not engine_args_from(parser.parse_args(["generate", "hi"])).structured_outputs_warmup
+
+
+def test_the_backend_is_built_with_the_first_compile_unless_warmed(tiny_llama):
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, block_size=4)
+    manager = llm.engine.core.structured
+    assert not manager._backends  # nothing built at start-up: no memory spent on it
+    llm.generate([[4, 5, 6]], constrained(regex="[a-c]{2}"))
+    assert set(manager._backends) == {"llguidance"}
+    warm = LLM(str(tiny_llama), num_kv_blocks=64, block_size=4, structured_outputs_warmup=True)
+    warm.engine.core.structured._thread.submit(lambda: None).result()  # after the warm-up task
+    assert set(warm.engine.core.structured._backends) == {"llguidance"}
