@@ -4,6 +4,7 @@ must not name the machine it was written on)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import time
@@ -36,3 +37,14 @@ def write_result(kind: str, data: dict, path: Path | None = None, indent: int = 
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(portable(data), indent=indent, default=str) + "\n")
     return path
+
+
+def engine_bench_parser(doc: str, max_tokens: int = 128) -> argparse.ArgumentParser:
+    """The flags every in-process engine comparison takes: --model, --threads, --runs,
+    --max-tokens (the benchmark adds its own)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--model", default=None, help="GGUF or HF directory (default: the embedded model)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    return parser

@@ -31,7 +31,6 @@ Writes benchmarks/results/spec_decode-<time>.json with the CPU model.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -44,7 +43,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.cpu import cpu_model  # noqa: E402
-from benchmarks.report import ROOT, write_result  # noqa: E402
+from benchmarks.report import ROOT, engine_bench_parser, write_result  # noqa: E402
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'
 
@@ -194,11 +193,7 @@ def compare(name: str, plain, spec, run, prompts: list[str], max_tokens: int, ru
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="GGUF or HF directory (default: the embedded model)")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser = engine_bench_parser(__doc__)
     parser.add_argument("--grounded", type=int, default=24)
     parser.add_argument("--chat", type=int, default=20)
     parser.add_argument("--concurrency", default="4,16")

@@ -21,7 +21,6 @@ Writes benchmarks/results/structured-<time>.json with the CPU model.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -33,7 +32,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.cpu import cpu_model  # noqa: E402
-from benchmarks.report import ROOT, write_result  # noqa: E402
+from benchmarks.report import ROOT, engine_bench_parser, write_result  # noqa: E402
 from tests.structured.schemas import SCHEMAS  # noqa: E402 - the 52 schemas the tests validate
 
 
@@ -181,11 +180,7 @@ def backend_costs(name: str, vocab, outputs: list[tuple[dict, list[int]]]) -> di
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="GGUF or HF directory (default: the embedded model)")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser = engine_bench_parser(__doc__)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--ttft-trials", type=int, default=8)
