@@ -14,7 +14,7 @@ Qwen2.5-Coder-0.5B-Instruct, Qwen2.5-Coder-1.5B-Instruct Q4_K_M):
   prefill (median of 3) in a pinned subprocess, against ``llama-bench -p 512 -n 128 -r 3`` on
   the same cores;
 - load: seconds from start to the first token possible (memwall: ``LLM(...)``; llama.cpp:
-  llama-server healthy), and peak RSS of each process.
+  llama-server healthy), and peak RSS of each process, both with a 2048-token KV cache.
 
 llama.cpp comes from ``../shared/tools/build-llama-cpp`` (or ``--llama-bin-dir``). Writes
 benchmarks/results/models-<time>.json with the CPU model.
@@ -64,8 +64,9 @@ def memwall_worker(spec: dict) -> dict:
     start = time.perf_counter()
     from memwall import LLM, SamplingParams
 
+    # a KV cache of 2048 tokens, as llama-server's one slot of -c 2048: RSS compares like for like
     llm = LLM(spec["model"], threads=spec["threads"], max_model_len=2048,
-              kv_cache_memory=256 << 20, prefix_caching=False, max_num_seqs=16)
+              num_kv_blocks=2048 // 16, block_size=16, prefix_caching=False, max_num_seqs=16)
     load_s = time.perf_counter() - start
     tok = llm.tokenizer
     greedy = dict(temperature=0, ignore_eos=True)
