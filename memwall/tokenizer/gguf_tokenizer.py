@@ -18,6 +18,10 @@ matched whole in text instead of being cut into pieces.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
@@ -205,13 +209,40 @@ def _sentencepiece_bpe(meta: _TokenizerMetadata) -> HFTokenizer:
     return backend
 
 
+MERGES_CACHE = Path(os.environ.get("MEMWALL_CACHE", Path.home() / ".cache" / "memwall")) / "merges"
+MERGES_VERSION = 1  # bump when _derive_merges changes: cached files of another version are ignored
+
+
 def _merges_from_scores(meta: _TokenizerMetadata, vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """``_derive_merges``, cached on disk by a hash of the vocabulary, scores and token types:
+    deriving them takes seconds of Python for a 262k vocabulary (Gemma 3), reading them back a
+    fraction of that. The same inputs give the same merges, so the cache cannot change a token."""
+    scores = meta.get("scores") or [0.0] * len(meta.tokens)
+    digest = hashlib.sha256(json.dumps([MERGES_VERSION, meta.tokens, scores, meta.token_types],
+                                       ensure_ascii=False).encode()).hexdigest()
+    path = MERGES_CACHE / f"{digest}.json"
+    try:
+        return [tuple(pair) for pair in json.loads(path.read_text())]
+    except (OSError, ValueError):
+        pass
+    merges = _derive_merges(meta, vocab, scores)
+    try:  # a cache that cannot be written (read-only home) only costs the next load its time
+        MERGES_CACHE.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text(json.dumps(merges, ensure_ascii=False))
+        partial.replace(path)
+    except OSError:
+        pass
+    return merges
+
+
+def _derive_merges(meta: _TokenizerMetadata, vocab: dict[str, int],
+                   scores: list[float]) -> list[tuple[str, str]]:
     """BPE merges implied by a SentencePiece vocabulary: every split of a token into two tokens,
     best-scored result first (ties: longer left part first, then file order).
 
     Only normal tokens take part: control, byte and unknown pieces never come out of merging text.
     """
-    scores = meta.get("scores") or [0.0] * len(meta.tokens)
     mergeable = {t for t, i in vocab.items() if meta.token_types[i] in (TOKEN_NORMAL, TOKEN_UNUSED)}
     candidates = []
     for token, index in vocab.items():

@@ -176,3 +176,23 @@ def test_streaming_random_sequences(tok: Tokenizer) -> None:
         assert "".join(deltas) == full[len(tok.decode(prompt)) :]
         if "\ufffd" not in full:
             assert not any("\ufffd" in d for d in deltas)
+
+
+def test_merges_cache_gives_the_same_tokenizer(sp, tmp_path, monkeypatch) -> None:
+    """Derived merges are cached by a hash of the vocabulary: the second load reads them back
+    (equal tokens), and a damaged cache file is derived again, never trusted."""
+    from memwall.tokenizer import gguf_tokenizer
+
+    monkeypatch.setattr(gguf_tokenizer, "MERGES_CACHE", tmp_path / "merges")
+    path = write_spm_gguf(sp, tmp_path / "spm.gguf")
+    first = Tokenizer.from_gguf(gguf.GGUFReader(path))
+    (cached,) = (tmp_path / "merges").iterdir()
+    derive = gguf_tokenizer._derive_merges
+    monkeypatch.setattr(gguf_tokenizer, "_derive_merges", lambda *a: pytest.fail("not read back"))
+    second = Tokenizer.from_gguf(gguf.GGUFReader(path))
+    texts = PROBES + random_texts(5, 100)
+    assert [second.encode(t) for t in texts] == [first.encode(t) for t in texts]
+    cached.write_text("[[\"truncated")
+    monkeypatch.setattr(gguf_tokenizer, "_derive_merges", derive)
+    third = Tokenizer.from_gguf(gguf.GGUFReader(path))
+    assert [third.encode(t) for t in texts] == [first.encode(t) for t in texts]
