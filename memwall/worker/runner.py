@@ -374,8 +374,9 @@ def _has_penalties(params: SamplingParams) -> bool:
 
 
 def _banned_ids(params: SamplingParams, eos: frozenset[int], num_outputs: int) -> list[int]:
-    """EOS and stop tokens are masked until min_tokens have been generated."""
-    if num_outputs >= params.min_tokens:
+    """EOS and stop tokens are masked until min_tokens have been generated, except for a
+    structured-output request: where its grammar is complete, EOS may be all it allows."""
+    if num_outputs >= params.min_tokens or params.structured_outputs is not None:
         return []
     banned = list(params.stop_token_ids)
     if not params.ignore_eos:

@@ -219,3 +219,15 @@ def test_the_backend_is_built_with_the_first_compile_unless_warmed(tiny_llama):
     warm = LLM(str(tiny_llama), num_kv_blocks=64, block_size=4, structured_outputs_warmup=True)
     warm.engine.core.structured._thread.submit(lambda: None).result()  # after the warm-up task
     assert set(warm.engine.core.structured._backends) == {"llguidance"}
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_a_complete_grammar_ends_the_request_despite_min_tokens(tiny_llama, backend):
+    """min_tokens bans EOS, but a finished grammar allows nothing else: the grammar wins."""
+    if backend == "xgrammar":
+        pytest.importorskip("xgrammar", reason="the optional xgrammar backend is not installed")
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, block_size=4, structured_outputs_backend=backend)
+    params = SamplingParams(temperature=0, max_tokens=20, min_tokens=10,
+                            structured_outputs=StructuredOutputsParams(choice=["ab", "cd"]))
+    out = llm.generate([[4, 5, 6]], params)[0].outputs[0]
+    assert out.text in ("ab", "cd") and out.finish_reason == "stop"
