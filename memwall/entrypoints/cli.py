@@ -11,8 +11,10 @@ import sys
 import time
 import typing
 
+from pathlib import Path
+
 from memwall.config import EngineArgs
-from memwall.sampling_params import SamplingParams
+from memwall.sampling_params import SamplingParams, StructuredOutputsParams
 
 SAMPLING_FLAGS = {  # flag -> (type, default, help)
     "max_tokens": (int, 256, "most tokens to generate"),
@@ -54,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (gen, chat):
         add_engine_flags(p)
         add_sampling_flags(p)
+        add_structured_flags(p)
     add_serve_parser(sub)
     return parser
 
@@ -122,8 +125,43 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**values)
 
 
+def add_structured_flags(parser: argparse.ArgumentParser) -> None:
+    """Constrained output, as llama.cpp's CLI offers it (--json-schema, --grammar) plus the other
+    kinds of StructuredOutputsParams. A value starting with @ is read from that file."""
+    group = parser.add_argument_group("structured output (at most one)")
+    group.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                       help="the output is JSON matching this schema (JSON text, or @file)")
+    group.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    group.add_argument("--regex", default=None, help="the output matches this regular expression")
+    group.add_argument("--choice", action="append", default=None,
+                       help="the output is one of these strings (repeat the flag for each)")
+    group.add_argument("--grammar", default=None,
+                       help="the output follows this Lark or GBNF grammar (text, or @file)")
+
+
+def structured_from(args: argparse.Namespace) -> StructuredOutputsParams | None:
+    """The structured-output flags as StructuredOutputsParams (None when none is given);
+    ValueError (one line) for two kinds at once or a file that cannot be read."""
+    given = {"json": _text_or_file(getattr(args, "json_schema", None)),
+             "json_object": getattr(args, "json_object", False) or None,
+             "regex": getattr(args, "regex", None), "choice": getattr(args, "choice", None),
+             "grammar": _text_or_file(getattr(args, "grammar", None))}
+    given = {k: v for k, v in given.items() if v is not None}
+    return StructuredOutputsParams(**given) if given else None
+
+
+def _text_or_file(value: str | None) -> str | None:
+    if value is None or not value.startswith("@"):
+        return value
+    try:
+        return Path(value[1:]).read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read {value[1:]!r}: {e.strerror or e}") from None
+
+
 def sampling_params_from(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(**{name: getattr(args, name) for name in SAMPLING_FLAGS})
+    return SamplingParams(**{name: getattr(args, name) for name in SAMPLING_FLAGS},
+                          structured_outputs=structured_from(args))
 
 
 def _load_engine(args: argparse.Namespace):

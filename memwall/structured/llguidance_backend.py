@@ -100,6 +100,10 @@ class LLGuidanceBackend(GrammarBackend):
 
 
 def _message(error: str) -> str:
-    """llguidance's error, one line (it may add a trace of the grammar below)."""
-    lines = error.strip().splitlines()
-    return lines[0] if lines else "the grammar does not compile"
+    """llguidance's error as one line: its first line, plus the ``error: ...`` line a regex
+    parse error puts below its caret diagram (the grammar excerpt after it is left out)."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    if not lines:
+        return "the grammar does not compile"
+    detail = next((line for line in lines[1:] if line.startswith("error:")), None)
+    return f"{lines[0]} {detail.removeprefix('error:').strip()}" if detail else lines[0]

@@ -231,3 +231,37 @@ def test_a_complete_grammar_ends_the_request_despite_min_tokens(tiny_llama, back
                             structured_outputs=StructuredOutputsParams(choice=["ab", "cd"]))
     out = llm.generate([[4, 5, 6]], params)[0].outputs[0]
     assert out.text in ("ab", "cd") and out.finish_reason == "stop"
+
+
+def test_cli_structured_flags(tmp_path):
+    """llama.cpp-style --json-schema / --grammar (text or @file), --regex, --choice, --json-object."""
+    import argparse
+    import json
+
+    from memwall.entrypoints.cli import build_parser, sampling_params_from
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    parser = build_parser()
+
+    def params(*flags) -> SamplingParams:
+        return sampling_params_from(parser.parse_args(["generate", "hi", *flags]))
+
+    assert params("--json-schema", f"@{tmp_path / 's.json'}").structured_outputs.json == schema
+    assert params("--json-schema", json.dumps(schema)).structured_outputs.json == schema
+    assert params("--choice", "yes", "--choice", "no").structured_outputs.choice == ["yes", "no"]
+    assert params("--json-object").structured_outputs.kind == "json_object"
+    assert params("--grammar", 'root ::= "x"').structured_outputs.grammar == 'root ::= "x"'
+    assert params().structured_outputs is None
+    with pytest.raises(ValueError, match="exactly one"):
+        params("--regex", "a", "--choice", "b")
+    with pytest.raises(ValueError, match="cannot read"):
+        params("--json-schema", "@/no/such/file.json")
+    assert isinstance(parser, argparse.ArgumentParser)
+
+
+def test_regex_errors_name_the_problem():
+    from memwall.structured import GrammarError, check
+
+    with pytest.raises(GrammarError, match="unclosed group"):
+        check(StructuredOutputsParams(regex="("))
