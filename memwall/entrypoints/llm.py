@@ -53,15 +53,23 @@ class LLM:
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"}) or a list of them."""
+             add_generation_prompt: bool = True, use_tqdm: bool = False,
+             tools: list[dict] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them. ``tools`` (OpenAI
+        function definitions) and ``chat_template_kwargs`` go to the chat template, as in vLLM;
+        the output is not parsed for calls here (the server's tool_choice does that)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.render_chat(c, add_generation_prompt) for c in conversations]
+        prompts = [self.render_chat(c, add_generation_prompt, tools, chat_template_kwargs)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def render_chat(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
+    def render_chat(self, messages: Messages, add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The chat template applied and tokenized (special tokens come from the template)."""
-        return self.engine.processor.render_chat(messages, add_generation_prompt)
+        return self.engine.processor.render_chat(messages, add_generation_prompt, tools=tools,
+                                                 **(chat_template_kwargs or {}))
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -265,3 +265,17 @@ def test_regex_errors_name_the_problem():
 
     with pytest.raises(GrammarError, match="unclosed group"):
         check(StructuredOutputsParams(regex="("))
+
+
+def test_offline_chat_passes_tools_and_template_kwargs(tiny_llama):
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, block_size=4)
+    tok = llm.engine.tokenizer
+    tok.chat_template = ("{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}{% if mood %}MOOD "
+                         "{{ mood }}\n{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    ids = llm.render_chat([{"role": "user", "content": "hi"}], tools=tools,
+                          chat_template_kwargs={"mood": "calm"})
+    text = tok.decode(ids, skip_special_tokens=False)
+    assert text.startswith('TOOLS [{"type": "function"') and "MOOD calm" in text
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2), tools=tools)
+    assert len(out[0].outputs[0].token_ids) == 2
