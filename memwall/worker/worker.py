@@ -20,6 +20,7 @@ import torch
 from memwall.attention import kv_quant
 from memwall.config import CacheConfig, EngineArgs, ModelArchConfig, SchedulerConfig
 from memwall.core.step import RunnerOutput, SchedulerOutput
+from memwall.layers.rotary import RotaryEmbedding
 from memwall.loader.model_loader import LoadedModel, load_model
 from memwall.structured.vocab import VocabInfo
 from memwall.worker.device import (GpuMemoryProfile, kv_cache_dtype, loader_quantization,
@@ -58,6 +59,8 @@ class Worker:
         self.args = args
         self.device_config = args.device_config(torch.cuda.is_available())
         self.loaded = loaded
+        self.owns_model = loaded is None
+        """The model is this worker's alone (not handed in, where other engines may share it)."""
         self.model: torch.nn.Module | None = None
         self.runner: ModelRunner | None = None
         self.gpu_memory: GpuMemoryProfile | None = None
@@ -105,6 +108,10 @@ class Worker:
 
     def init_cache(self, plan: KVCachePlan, max_num_seqs: int, max_model_len: int) -> None:
         dev = self.device_config
+        if self.owns_model:  # rotary tables as long as the context window, no more
+            for module in self.model.modules():
+                if isinstance(module, RotaryEmbedding):
+                    module.truncate(max_model_len)
         self.runner = ModelRunner(self.model, self.loaded.arch, plan, kv_cache_dtype(dev),
                                   self.args.seed, dev, max_num_seqs, max_model_len,
                                   self.args.speculative(), self.draft)
