@@ -202,7 +202,7 @@ def main() -> None:
             compare(f"c={args.concurrency}", llm, run_together, together, args.max_tokens, args.runs)]
     first = ttft(llm, args.ttft_trials)
     tok = llm.tokenizer
-    vocab = VocabInfo(tok.backend.to_str(), llm.engine.vocab_size, tuple(sorted(tok.eos_token_ids)))
+    vocab = VocabInfo(tok.backend, llm.engine.vocab_size, tuple(sorted(tok.eos_token_ids)))
     replay = run_together(llm, SCHEMAS, True, args.max_tokens)["outputs"]
     backends = []
     for name in ("llguidance", "xgrammar"):

@@ -76,7 +76,7 @@ class Worker:
         self.model = place_model(self.loaded.model, dev, self.args.quantization)
         self._load_draft_model()
         tokenizer = self.loaded.tokenizer
-        vocab = VocabInfo(tokenizer.backend.to_str(), self.loaded.arch.vocab_size,
+        vocab = VocabInfo(tokenizer.backend, self.loaded.arch.vocab_size,
                           tuple(sorted(tokenizer.eos_token_ids)))
         return ModelInfo(self.loaded.name, self.loaded.arch, vocab)
 

@@ -25,7 +25,7 @@ def tokenizer(gguf_path):
 
 @pytest.fixture(scope="module")
 def vocab(tokenizer):
-    return VocabInfo(tokenizer.backend.to_str(), tokenizer.vocab_size, tuple(sorted(tokenizer.eos_token_ids)))
+    return VocabInfo(tokenizer.backend, tokenizer.vocab_size, tuple(sorted(tokenizer.eos_token_ids)))
 
 
 @pytest.fixture(scope="module", params=BACKEND_NAMES)
