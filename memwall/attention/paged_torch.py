@@ -42,10 +42,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             for seq in meta.decode_seq_ids:
                 _attend_one(q, k_cache, v_cache, meta, scale, out, seq, window, softcap)
     for seq in meta.prefill_seq_ids:
-        if window is None and softcap is None:
-            _prefill_one(q, k_cache, v_cache, meta, scale, out, seq)
-        else:
-            _attend_one(q, k_cache, v_cache, meta, scale, out, seq, window, softcap)
+        _attend_one(q, k_cache, v_cache, meta, scale, out, seq, window, softcap)
     return out
 
 
@@ -55,8 +52,9 @@ def window_cuts(meta: AttentionMetadata, seqs, window: int | None) -> bool:
 
 
 def _attend_one(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out, seq: int,
-                window: int | None, softcap: float | None) -> None:
-    """One sequence's queries with a sliding window and/or a logit softcap (Gemma)."""
+                window: int | None = None, softcap: float | None = None) -> None:
+    """One sequence's queries (a prefill chunk, or a decode row with a window or softcap):
+    query i sits at position seq_len - q_len + i and sees keys up to that position."""
     start, end = meta.query_start[seq], meta.query_start[seq + 1]
     seq_len, q_len = meta.seq_lens[seq], end - start
     first_query = seq_len - q_len
@@ -67,6 +65,12 @@ def _attend_one(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out,
     table = meta.block_tables[seq, first_block:num_blocks]
     k = _gather(k_cache, table, seq_len - offset)  # [keys, kv_heads, head_dim] from `offset`
     v = _gather(v_cache, table, seq_len - offset)
+    if q_len == seq_len and window is None and softcap is None:
+        # the whole sequence: plain causal attention, which lets the kernel skip the masked
+        # half of the score blocks (an explicit mask costs it all of them)
+        out[start:end] = _sdpa(q[start:end].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                               None, scale)[0]
+        return
     q_pos = torch.arange(first_query, seq_len, device=q.device).unsqueeze(1)  # [q_len, 1]
     k_pos = torch.arange(offset, seq_len, device=q.device).unsqueeze(0)  # [1, keys]
     mask = k_pos <= q_pos
@@ -95,26 +99,6 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
     if scales is not None:  # [..., max_blocks * block_size, kv_heads]
         scales = scales[block_table].flatten(-3, -2)[..., :length, :]
     return kv_quant.dequantize(flat[..., :length, :, :], scales)
-
-
-def _prefill_one(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out, seq: int) -> None:
-    start, end = meta.query_start[seq], meta.query_start[seq + 1]
-    seq_len = meta.seq_lens[seq]
-    num_blocks = -(-seq_len // meta.block_size)
-    table = meta.block_tables[seq, :num_blocks]
-    k = _gather(k_cache, table, seq_len)  # [seq_len, kv_heads, head_dim]
-    v = _gather(v_cache, table, seq_len)
-    q_len = end - start
-    if q_len == seq_len:  # the whole sequence: plain causal attention, which lets the kernel
-        # skip the masked half of the score blocks (an explicit mask costs it all of them)
-        out[start:end] = _sdpa(q[start:end].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                               None, scale)[0]
-        return
-    # Query i sits at position seq_len - q_len + i and sees keys 0..that position.
-    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)  # [q_len, 1]
-    mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos  # [q_len, seq_len]
-    out[start:end] = _sdpa(q[start:end].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                           mask.unsqueeze(0), scale)[0]
 
 
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> None:

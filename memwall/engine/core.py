@@ -35,15 +35,14 @@ COMPILE_WAIT_S = 0.05
 
 @dataclass
 class _Compiling:
-    """A request (and its n > 1 forks) whose grammars are being compiled."""
+    """A request and its n > 1 forks, each with the grammar being compiled for it."""
 
-    first: Request
-    forks: list[Request]
-    pending: list[PendingGrammar]
+    samples: list[tuple[Request, PendingGrammar]]
+    """The first sample, then the forks."""
 
     @property
     def requests(self) -> list[Request]:
-        return [self.first, *self.forks]
+        return [request for request, _ in self.samples]
 
 logger = logging.getLogger("memwall")
 
@@ -95,20 +94,17 @@ class EngineCore:
         taken = next((r.request_id for r in (request, *children) if r.request_id in ids), None)
         if taken is not None:
             raise ValueError(f"request id {taken!r} is already in use")
-        pending = [self.structured.submit(r.sampling_params.structured_outputs)
-                   for r in (request, *children)]
-        self._compiling.append(_Compiling(request, children, pending))
+        submit = self.structured.submit
+        self._compiling.append(_Compiling([(r, submit(r.sampling_params.structured_outputs))
+                                           for r in (request, *children)]))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Finishes these samples wherever they are; their blocks are free before the next step."""
         gone = set(request_ids)
-        for entry in list(self._compiling):
-            if entry.first.request_id in gone:
-                self._compiling.remove(entry)
-            else:
-                keep = [(r, p) for r, p in zip(entry.forks, entry.pending[1:]) if r.request_id not in gone]
-                entry.forks = [r for r, _ in keep]
-                entry.pending = [entry.pending[0], *(p for _, p in keep)]
+        for entry in self._compiling:  # a request whose first sample is aborted goes whole
+            first = entry.samples[0][0]
+            entry.samples = [s for s in entry.samples if s[0] is first or s[0].request_id not in gone]
+        self._compiling = [c for c in self._compiling if c.samples[0][0].request_id not in gone]
         for request_id in request_ids:
             self.scheduler.abort(request_id)
 
@@ -132,21 +128,21 @@ class EngineCore:
         if not self._compiling:
             return []
         if not self.scheduler.has_unfinished:
-            self._compiling[0].pending[-1].wait(COMPILE_WAIT_S)
+            self._compiling[0].samples[-1][1].wait(COMPILE_WAIT_S)
         failed = []
-        for entry in [c for c in self._compiling if all(p.ready for p in c.pending)]:
+        for entry in [c for c in self._compiling if all(p.ready for _, p in c.samples)]:
             self._compiling.remove(entry)
+            first, *forks = entry.requests
             try:
-                for request, pending in zip(entry.requests, entry.pending):
+                for request, pending in entry.samples:
                     request.grammar = self.structured.take(pending)
             except (GrammarError, ValueError) as e:
-                logger.warning("request %s: its grammar does not compile: %s",
-                               entry.first.request_id, e)
+                logger.warning("request %s: its grammar does not compile: %s", first.request_id, e)
                 for request in entry.requests:
                     request.status, request.stop_reason = RequestStatus.FINISHED_ABORTED, str(e)
                     failed.append(_output(request))
                 continue
-            self.scheduler.add(entry.first, fork_children=entry.forks)
+            self.scheduler.add(first, fork_children=forks)
         return failed
 
     def stats(self) -> EngineStats:

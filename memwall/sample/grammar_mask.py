@@ -10,13 +10,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-def stack_bitmask(rows: list[np.ndarray | None], words: int | None = None) -> torch.Tensor | None:
+def stack_bitmask(rows: list[np.ndarray | None]) -> torch.Tensor | None:
     """One [B, W] int32 tensor from per-row masks (None: unconstrained); None if all are None."""
     present = [r for r in rows if r is not None]
     if not present:
         return None
-    width = words or present[0].shape[-1]
-    out = np.full((len(rows), width), -1, dtype=np.int32)  # [B, W]
+    out = np.full((len(rows), present[0].shape[-1]), -1, dtype=np.int32)  # [B, W]
     for i, row in enumerate(rows):
         if row is not None:
             out[i] = row

@@ -4,7 +4,7 @@
                                         and xgrammar release the GIL while they compile), or
                                         found in the cache: same key, same compiled grammar
     pending.ready                        the engine core admits the request once true ...
-    pending.take()  -> Grammar           ... with a fresh matcher, or GrammarError
+    take(pending)   -> Grammar           ... with a fresh matcher, or GrammarError
 
 So a request with a never-seen schema waits for its own compile while every other request keeps
 stepping. The backend itself (the vocabulary's token table: 0.2 s and ~25 MB for 49k tokens,
@@ -14,7 +14,6 @@ so the first constrained request does not wait for it), else with the first comp
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,8 +22,6 @@ from dataclasses import dataclass
 from memwall.sampling_params import StructuredOutputsParams
 from memwall.structured.backend import DEFAULT_BACKEND, Grammar, GrammarBackend, make_backend
 from memwall.structured.vocab import VocabInfo
-
-logger = logging.getLogger("memwall")
 
 CACHE_SIZE = 512  # compiled grammars kept (least recently used dropped first)
 

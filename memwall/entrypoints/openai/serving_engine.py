@@ -14,6 +14,7 @@ every engine request it covers, so their KV blocks are freed before the engine's
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -327,7 +328,8 @@ async def _merge(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, 
             task.cancel()
 
 
-STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
+# The body's keys: StructuredOutputsParams' fields, less the backend (memwall's own choice)
+STRUCTURED_KEYS = tuple(f.name for f in dataclasses.fields(StructuredOutputsParams) if f.name != "backend")
 
 
 def structured_constraint(request: StructuredRequest) -> tuple[StructuredOutputsParams | None, str | None]:

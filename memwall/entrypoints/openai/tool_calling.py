@@ -146,13 +146,11 @@ def template_messages(messages: list[ChatMessage], setup: ToolSetup | None) -> l
                 entry["tool_call_id"], entry["name"] = message.tool_call_id, name
             else:
                 response = f"<tool_response>\n{entry['content']}\n</tool_response>"
-                if out and out[-1].get("_tool_results"):
-                    out[-1]["content"] += "\n" + response  # one user turn for all results
+                if messages[index - 1].role == "tool":  # one user turn holds all the results
+                    out[-1]["content"] += "\n" + response
                     continue
-                entry = {"role": "user", "content": response, "_tool_results": True}
+                entry = {"role": "user", "content": response}
         out.append(entry)
-    for entry in out:
-        entry.pop("_tool_results", None)
     if setup is not None and setup.parses and not native:
         _add_tool_prompt(out, setup)
     return out
