@@ -191,6 +191,8 @@ class SchedulerConfig:
     """recompute (free the blocks, redo the prefill later) or swap (move them to host memory)."""
     max_spec_batch: int | None = None
     """Speculation: draft tokens are scheduled only while at most this many sequences run."""
+    max_loras: int | None = None
+    """Multi-LoRA: most adapters whose requests run at once (the workers' slots); None: off."""
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -353,6 +355,15 @@ class EngineArgs:
     structured_outputs_backend: str = _arg(
         "llguidance", "grammar backend for structured outputs (JSON schema, regex, choice, "
                       "grammar): llguidance, or xgrammar (pip install xgrammar)")
+    enable_lora: bool = _arg(False, "serve LoRA adapters (requests name one; see --lora-modules)")
+    max_loras: int = _arg(1, "adapters whose requests run in one step (compute slots)")
+    max_lora_rank: int = _arg(16, "largest adapter rank accepted (slots are sized for it)")
+    max_cpu_loras: int | None = _arg(None, "adapters kept loaded in host memory (default: "
+                                           "max(max_loras, 8)); more are read from disk on demand")
+    lora_cache_policy: str = _arg(
+        "adapter-aware", "prefix cache and adapter cache: adapter-aware (blocks keyed by the "
+                         "adapter's content hash, eviction weighs how often each adapter is "
+                         "used) or vllm (keyed by adapter name, independent LRU evictions)")
     structured_outputs_warmup: bool = _arg(
         False, "build the grammar backend's token table at start-up, in the background, so the "
                "first constrained request does not wait for it (0.2 s and ~25 MB for a 49k "
@@ -372,6 +383,8 @@ class EngineArgs:
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         self.speculative()  # a bad speculative config fails here, before a model loads
+        if self.enable_lora:
+            self._check_lora()
         if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
             raise ValueError("structured_outputs_backend must be one of "
                              f"{', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, got "
@@ -379,6 +392,26 @@ class EngineArgs:
 
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras ({self.max_loras}) and max_lora_rank "
+                             f"({self.max_lora_rank}) must be >= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
+        if self.lora_cache_policy not in ("adapter-aware", "vllm"):
+            raise ValueError(f"lora_cache_policy must be adapter-aware or vllm, got "
+                             f"{self.lora_cache_policy!r}")
+        spec = self.speculative()
+        if spec is not None and spec.method != "ngram":
+            raise ValueError(f"LoRA with {spec.method!r} speculation is not supported (the drafter "
+                             f"does not run the adapters); ngram drafts work")
+
+    @property
+    def host_loras(self) -> int:
+        """Adapters the host caches hold (--max-cpu-loras, by default max(max_loras, 8))."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else max(self.max_loras, 8)
 
     def cache_config(self) -> CacheConfig:
         swap = self.swap_space if self.preemption_mode == "swap" else 0
@@ -394,7 +427,8 @@ class EngineArgs:
                                enable_chunked_prefill=self.enable_chunked_prefill,
                                scheduling_policy=self.scheduling_policy,
                                preemption_mode=self.preemption_mode,
-                               max_spec_batch=self._max_spec_batch())
+                               max_spec_batch=self._max_spec_batch(),
+                               max_loras=self.max_loras if self.enable_lora else None)
 
     def _max_spec_batch(self) -> int | None:
         spec = self.speculative()

@@ -95,6 +95,8 @@ class Request:
     """Steps that verified drafts for this request."""
     grammar: GrammarState | None = None
     """Structured output: the compiled grammar's state, advanced with every output token."""
+    lora_id: int = 0
+    """The LoRA adapter it runs with (its lora_int_id); 0: the base model."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -211,8 +211,10 @@ class Scheduler:
         return self.running[-1]
 
     def _schedule_waiting(self, plan: _Plan, budget: int) -> None:
-        while self.waiting and budget > 0 and self._has_seq_slots(self.waiting.peek()):
-            request = self.waiting.peek()
+        while self.waiting and budget > 0:
+            request = self._next_admissible()
+            if request is None or not self._has_seq_slots(request):
+                break
             swapped = request.status is RequestStatus.SWAPPED
             cached = [] if swapped else self.kv.find_cached_prefix(request)
             if not swapped:
@@ -229,13 +231,26 @@ class Scheduler:
                 self.kv.swap_in(request.request_id)
             if not self.kv.allocate_slots(request, total, cached):
                 break  # queue order: a later request must not overtake the head
-            self.waiting.pop()
+            self.waiting.remove(request)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             plan.add(self._chunk(request, num_new))
             budget -= num_new
+
+    def _next_admissible(self) -> Request | None:
+        """The first waiting request in queue order whose adapter can join the running ones:
+        at most ``max_loras`` adapters run at once (the workers' slots). A request of another
+        adapter waits, and the requests behind it may go first (vLLM does the same)."""
+        limit = self.config.max_loras
+        if limit is None:
+            return self.waiting.peek()
+        running = {r.lora_id for r in self.running if r.lora_id}
+        for request in self.waiting:
+            if not request.lora_id or request.lora_id in running or len(running) < limit:
+                return request
+        return None
 
     def _has_seq_slots(self, request: Request) -> bool:
         reserved = sum(1 + len(r.fork_children) for r in self.running)
@@ -284,7 +299,7 @@ class Scheduler:
         return NewRequestData(request.request_id, request.prompt_token_ids,
                               list(request.output_token_ids), request.sampling_params,
                               request.eos_token_ids, list(table), request.num_computed_tokens,
-                              len(request.prompt_logprobs))
+                              len(request.prompt_logprobs), request.lora_id)
 
     def _cached_data(self, request: Request) -> CachedRequestData:
         table = self.kv.block_table(request.request_id)

@@ -58,6 +58,8 @@ class NewRequestData:
     """Tokens whose KV is already in the cache (a prefix-cache hit, or swapped back in)."""
     num_prompt_logprobs_done: int = 0
     """Prompt positions already scored (they are computed once, even across preemptions)."""
+    lora_id: int = 0
+    """The LoRA adapter (lora_int_id) its tokens run through; 0: none."""
 
 
 @dataclass(frozen=True)

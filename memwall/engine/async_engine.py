@@ -5,9 +5,9 @@ Everything else talks to that thread through a command list guarded by a conditi
 
     event loop (any number)                         engine thread
     ───────────────────────                         ─────────────
-    add_request() ── _Add ──┐                  ┌──> apply commands (add / abort)
-    abort()       ── _Abort ┴──> [commands] ───┤    engine.step()
-                                               │    publish EngineStats
+    add_request() ── _Add ─────┐               ┌──> apply commands (add / abort / remove_lora)
+    abort()       ── _Abort ───┼─> [commands] ─┤    engine.step()
+    remove_lora() ── _RemoveLoRA ┘             │    publish EngineStats
     RequestStream  <── loop.call_soon_threadsafe ───┘ (one call per loop per step)
 
 Commands are applied *between* steps, so an abort frees its KV blocks before the next step runs.
@@ -39,6 +39,8 @@ from memwall.sampling_params import SamplingParams
 if TYPE_CHECKING:  # only for hints: tests drive this class with a fake engine
     from memwall.engine.llm_engine import LLMEngine
     from memwall.engine.processor import PromptType
+    from memwall.engine.protocol import EngineCoreInfo
+    from memwall.lora.request import LoRARequest
 
 logger = logging.getLogger("memwall")
 RESTART_ATTEMPTS = 3
@@ -61,11 +63,17 @@ class _Add:
     params: SamplingParams
     stream: "RequestStream"
     accepted: asyncio.Future  # on stream.loop: prompt token ids, or the add_request error
+    lora_request: "LoRARequest | None" = None
 
 
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _RemoveLoRA:
+    lora_int_id: int
 
 
 @dataclass
@@ -105,7 +113,7 @@ class AsyncLLMEngine:
         self._restart = restart
         self._restarting: BaseException | None = None  # the failure being recovered from
         self._cond = threading.Condition()
-        self._commands: list[_Add | _Abort] = []
+        self._commands: list[_Add | _Abort | _RemoveLoRA] = []
         self._pending_adds = 0  # submitted adds not yet visible in the published stats
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._stats = EngineStats()
@@ -135,6 +143,12 @@ class AsyncLLMEngine:
     @property
     def stats(self) -> EngineStats:
         return self._stats
+
+    @property
+    def core_info(self) -> "EngineCoreInfo | None":
+        """The engine core's start-up facts (model shapes, LoRA limits); None for an engine
+        without a core (test fakes). The same after a restart: same model, same arguments."""
+        return getattr(getattr(self.engine, "core", None), "info", None)
 
     @property
     def num_waiting(self) -> int:
@@ -186,8 +200,8 @@ class AsyncLLMEngine:
             await asyncio.to_thread(self._thread.join, timeout)
 
     # ---- requests (call from an event loop) ------------------------------------------------
-    async def add_request(self, request_id: str, prompt: "PromptType",
-                          params: SamplingParams) -> RequestStream:
+    async def add_request(self, request_id: str, prompt: "PromptType", params: SamplingParams,
+                          lora_request: "LoRARequest | None" = None) -> RequestStream:
         """Queues a request; returns its stream once the engine accepted it.
 
         Raises what ``LLMEngine.add_request`` raises (InvalidRequestError, ValueError...),
@@ -198,7 +212,7 @@ class AsyncLLMEngine:
         accepted = loop.create_future()
         with self._cond:
             self._check_open()
-            self._commands.append(_Add(request_id, prompt, params, stream, accepted))
+            self._commands.append(_Add(request_id, prompt, params, stream, accepted, lora_request))
             self._pending_adds += 1
             self._cond.notify()
         try:
@@ -208,10 +222,10 @@ class AsyncLLMEngine:
             raise
         return stream
 
-    async def generate(self, request_id: str, prompt: "PromptType",
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt: "PromptType", params: SamplingParams,
+                       lora_request: "LoRARequest | None" = None) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs as they are sampled. Leaving early aborts the request."""
-        stream = await self.add_request(request_id, prompt, params)
+        stream = await self.add_request(request_id, prompt, params, lora_request)
         async for output in self.iterate(stream):
             yield output
 
@@ -228,6 +242,13 @@ class AsyncLLMEngine:
         """Aborts a request (thread-safe, never blocks); its blocks are freed before the next step."""
         with self._cond:
             self._commands.append(_Abort(request_id))
+            self._cond.notify()
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """The adapter takes no new requests (thread-safe, never blocks): the engine core drops
+        it from the workers once the requests running with it end."""
+        with self._cond:
+            self._commands.append(_RemoveLoRA(lora_int_id))
             self._cond.notify()
 
     def _check_open(self) -> None:
@@ -274,7 +295,7 @@ class AsyncLLMEngine:
         return self.engine.has_unfinished_requests() or (
             core is not None and core.has_unfinished_requests())
 
-    def _wait_for_work(self) -> list[_Add | _Abort] | None:
+    def _wait_for_work(self) -> list[_Add | _Abort | _RemoveLoRA] | None:
         """Sleeps until there are commands or unfinished requests; None when it is time to exit."""
         with self._cond:
             while not self._commands and not self._has_work():
@@ -295,15 +316,19 @@ class AsyncLLMEngine:
         if hasattr(core, "on_death"):
             core.on_death = self._wake
 
-    def _apply(self, commands: list[_Add | _Abort]) -> int:
+    def _apply(self, commands: list[_Add | _Abort | _RemoveLoRA]) -> int:
         adds = 0
         for command in commands:
             if isinstance(command, _Abort):
                 self.engine.abort_request(command.request_id)
                 continue
+            if isinstance(command, _RemoveLoRA):
+                self.engine.remove_lora(command.lora_int_id)
+                continue
             adds += 1
             try:
-                prompt_ids = self.engine.add_request(command.request_id, command.prompt, command.params)
+                prompt_ids = self.engine.add_request(command.request_id, command.prompt,
+                                                     command.params, command.lora_request)
             except Exception as e:  # noqa: BLE001 - user errors go back to the caller
                 _resolve(command.accepted, error=e)
                 continue

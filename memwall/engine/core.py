@@ -8,8 +8,10 @@ gives plain outputs back (memwall/engine/protocol.py), so it runs the same in-pr
              -> EngineCoreOutputs  (new tokens per sample, finish reasons, stats)
 
 It holds no tokenizer and touches no device: text lives on the API side, tensors in the worker.
-Structured-output requests wait in ``_compiling`` until their grammar is compiled (on the
-StructuredOutputManager's thread), then join the scheduler with it; nobody else waits for them.
+Requests that need something first wait in ``_preparing``: a structured-output request for its
+grammar (compiled on the StructuredOutputManager's thread), a LoRA request for its adapter
+(loaded on the workers by the LoRARegistry's thread); then they join the scheduler, and nobody
+else waits for them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from memwall.core.scheduler import Scheduler
 from memwall.engine.protocol import (EngineCoreInfo, EngineCoreOutput, EngineCoreOutputs,
                                      EngineCoreRequest, EngineStats)
 from memwall.executor import Executor, make_executor
+from memwall.lora.registry import LoRARegistry, PendingAdapter
 from memwall.request import Request, RequestStatus
 from memwall.structured.backend import GrammarError
 from memwall.structured.manager import PendingGrammar, StructuredOutputManager
@@ -34,15 +37,29 @@ COMPILE_WAIT_S = 0.05
 
 
 @dataclass
-class _Compiling:
-    """A request and its n > 1 forks, each with the grammar being compiled for it."""
+class _Preparing:
+    """A request and its n > 1 forks, waiting for what they need before they can be scheduled:
+    their adapter loaded on the workers, each sample's grammar compiled."""
 
-    samples: list[tuple[Request, PendingGrammar]]
+    samples: list[tuple[Request, PendingGrammar | None]]
     """The first sample, then the forks."""
+    adapter: PendingAdapter | None = None
 
     @property
     def requests(self) -> list[Request]:
         return [request for request, _ in self.samples]
+
+    @property
+    def ready(self) -> bool:
+        return ((self.adapter is None or self.adapter.ready)
+                and all(p is None or p.ready for _, p in self.samples))
+
+    def wait(self, timeout: float) -> None:
+        waiting = [p for _, p in self.samples if p is not None and not p.ready]
+        if self.adapter is not None and not self.adapter.ready:
+            waiting.insert(0, self.adapter)
+        if waiting:
+            waiting[0].wait(timeout)
 
 logger = logging.getLogger("memwall")
 
@@ -72,78 +89,127 @@ class EngineCore:
         self.info = EngineCoreInfo(model.name, self.max_model_len, model.vocab_size,
                                    sched_cfg.max_num_seqs,
                                    description + (f"; {device_text}" if device_text else ""),
-                                   args.structured_outputs_backend)
+                                   args.structured_outputs_backend, model.arch,
+                                   args.max_lora_rank if args.enable_lora else None)
         self.structured = (StructuredOutputManager(model.vocab, args.structured_outputs_backend,
                                                    warmup=args.structured_outputs_warmup)
                            if model.vocab is not None else None)
-        self._compiling: list[_Compiling] = []
+        self.lora = (LoRARegistry(self.executor.add_lora, self.executor.remove_lora,
+                                  args.host_loras, args.lora_cache_policy)
+                     if args.enable_lora else None)
+        if self.lora is not None and self.lora.cache_policy == "adapter-aware":
+            self.kv.pool.evict_value = self.lora.kv_value
+        self._preparing: list[_Preparing] = []
+        self._unloading: set[int] = set()
+        """Adapters unloaded by the API while requests still use them: dropped when they end."""
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, first: EngineCoreRequest, forks: list[EngineCoreRequest] = ()) -> None:
         """Queues one sample; ``forks`` (n > 1) share its prefill and fork its KV blocks.
-        A structured-output request first waits for its grammar (compiled off the step loop)."""
+        A structured-output request first waits for its grammar (compiled off the step loop),
+        a LoRA request for its adapter (loaded off the step loop)."""
         request, children = _to_request(first), [_to_request(f) for f in forks]
-        constraint = first.sampling_params.structured_outputs
-        if constraint is None:
+        constraint, lora = first.sampling_params.structured_outputs, first.lora_request
+        if lora is None and self.lora is not None:
+            self.lora.observe(0)  # the base model's KV competes with the adapters' for the pool
+        if constraint is None and lora is None:
             self.scheduler.add(request, fork_children=children)
             return
-        if self.structured is None:
+        if constraint is not None and self.structured is None:
             raise ValueError("this engine's model has no tokenizer vocabulary for structured outputs")
+        if lora is not None and self.lora is None:
+            raise ValueError("LoRA adapters are not enabled on this engine (--enable-lora)")
         ids = {r.request_id for r in self.scheduler.requests.values()}
-        ids.update(r.request_id for c in self._compiling for r in c.requests)
+        ids.update(r.request_id for c in self._preparing for r in c.requests)
         taken = next((r.request_id for r in (request, *children) if r.request_id in ids), None)
         if taken is not None:
             raise ValueError(f"request id {taken!r} is already in use")
-        submit = self.structured.submit
-        self._compiling.append(_Compiling([(r, submit(r.sampling_params.structured_outputs))
-                                           for r in (request, *children)]))
+        grammar = (lambda r: self.structured.submit(r.sampling_params.structured_outputs)) \
+            if constraint is not None else (lambda r: None)
+        adapter = self.lora.submit(lora, self._adapters_in_use()) if lora is not None else None
+        self._preparing.append(_Preparing([(r, grammar(r)) for r in (request, *children)], adapter))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Finishes these samples wherever they are; their blocks are free before the next step."""
         gone = set(request_ids)
-        for entry in self._compiling:  # a request whose first sample is aborted goes whole
+        for entry in self._preparing:  # a request whose first sample is aborted goes whole
             first = entry.samples[0][0]
             entry.samples = [s for s in entry.samples if s[0] is first or s[0].request_id not in gone]
-        self._compiling = [c for c in self._compiling if c.samples[0][0].request_id not in gone]
+        self._preparing = [c for c in self._preparing if c.samples[0][0].request_id not in gone]
         for request_id in request_ids:
             self.scheduler.abort(request_id)
 
+    def remove_lora(self, lora_int_id: int) -> None:
+        """The API side unloaded this adapter: it leaves the workers once no request uses it."""
+        if self.lora is not None:
+            self._unloading.add(lora_int_id)
+            self._drop_unloaded()
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._compiling)
+        return self.scheduler.has_unfinished or bool(self._preparing)
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
-        failed = self._admit_compiled()
+        failed = self._admit_prepared()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return EngineCoreOutputs(failed, stats=self.stats())
         result = self.executor.execute(sched)
         touched = self.scheduler.update(sched, result)
+        if self._unloading:
+            self._drop_unloaded()
         return EngineCoreOutputs(failed + [_output(r) for r in touched], self.stats())
 
-    def _admit_compiled(self) -> list[EngineCoreOutput]:
-        """Requests whose grammars are compiled join the scheduler; a grammar that failed to
-        compile finishes its request ("abort", the error as stop_reason). With nothing else to
-        run, waits a little for a compile rather than spin."""
-        if not self._compiling:
+    def _admit_prepared(self) -> list[EngineCoreOutput]:
+        """Requests whose adapter and grammars are ready join the scheduler; one whose adapter
+        failed to load or grammar failed to compile finishes ("abort", the error as
+        stop_reason). With nothing else to run, waits a little rather than spin."""
+        if not self._preparing:
             return []
+        if self.lora is not None:
+            self.lora.pump(self._adapters_in_use())  # queued loads, as requests end
         if not self.scheduler.has_unfinished:
-            self._compiling[0].samples[-1][1].wait(COMPILE_WAIT_S)
+            self._preparing[0].wait(COMPILE_WAIT_S)
         failed = []
-        for entry in [c for c in self._compiling if all(p.ready for _, p in c.samples)]:
-            self._compiling.remove(entry)
+        for entry in [c for c in self._preparing if c.ready]:
+            self._preparing.remove(entry)
             first, *forks = entry.requests
             try:
+                self._attach_adapter(entry)
                 for request, pending in entry.samples:
-                    request.grammar = self.structured.take(pending)
+                    if pending is not None:
+                        request.grammar = self.structured.take(pending)
             except (GrammarError, ValueError) as e:
-                logger.warning("request %s: its grammar does not compile: %s", first.request_id, e)
+                logger.warning("request %s cannot run: %s", first.request_id, e)
                 for request in entry.requests:
                     request.status, request.stop_reason = RequestStatus.FINISHED_ABORTED, str(e)
                     failed.append(_output(request))
                 continue
             self.scheduler.add(first, fork_children=forks)
         return failed
+
+    def _attach_adapter(self, entry: _Preparing) -> None:
+        """Each sample runs with the loaded adapter, its KV in the adapter's cache namespace.
+        Raises the load's error (LoRAError is a ValueError)."""
+        if entry.adapter is None:
+            return
+        info = self.lora.take(entry.adapter)
+        lora = entry.adapter.lora
+        for request in entry.requests:
+            request.lora_id = lora.lora_int_id
+            request.cache_extra_keys = request.cache_extra_keys + self.lora.cache_key(lora, info)
+
+    def _adapters_in_use(self) -> set[int]:
+        """Adapters of live requests, and of requests about to join (loaded, not yet admitted)."""
+        live = {r.lora_id for r in self.scheduler.requests.values() if r.lora_id}
+        live.update(c.adapter.lora.lora_int_id for c in self._preparing if c.adapter is not None)
+        return live
+
+    def _drop_unloaded(self) -> None:
+        idle = self._unloading - self._adapters_in_use()
+        for lora_int_id in idle:
+            self.lora.unload(lora_int_id, forever=True)
+        self._unloading -= idle
 
     def stats(self) -> EngineStats:
         scheduler, kv = self.scheduler, self.kv
@@ -153,11 +219,15 @@ class EngineCore:
                            scheduler.stats.num_preemptions_swap, kv.stats.queries, kv.stats.hits,
                            kv.pool.num_evictions, scheduler.stats.spec_num_draft_tokens,
                            scheduler.stats.spec_num_accepted_tokens,
-                           scheduler.stats.spec_num_verify_steps)
+                           scheduler.stats.spec_num_verify_steps,
+                           self.lora.snapshot(kv.stats.per_namespace, kv.pool.cached_per_owner)
+                           if self.lora is not None else None)
 
     def shutdown(self) -> None:
         if self.structured is not None:
             self.structured.shutdown()
+        if self.lora is not None:
+            self.lora.shutdown()
         self.executor.shutdown()
 
 

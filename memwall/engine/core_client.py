@@ -100,6 +100,9 @@ class MPCoreClient:
         self._inflight.difference_update(request_ids)
         self._send(("abort", list(request_ids)))
 
+    def remove_lora(self, lora_int_id: int) -> None:
+        self._send(("remove_lora", lora_int_id))
+
     def has_unfinished_requests(self) -> bool:
         """Requests running, messages the core has not answered yet, or a death to report."""
         return bool(self._inflight) or self._applied < self._sent or self._dead

@@ -77,7 +77,7 @@ def _serve(core, requests: Connection, outputs: Connection) -> None:
         outputs.send(("outputs", news, applied))
 
 
-HANDLERS = {"add": "add_request", "abort": "abort_requests"}
+HANDLERS = {"add": "add_request", "abort": "abort_requests", "remove_lora": "remove_lora"}
 
 
 def _receive_waiting(requests: Connection) -> list[tuple]:

@@ -19,6 +19,7 @@ from memwall.engine.output_processor import OutputProcessor
 from memwall.engine.processor import InvalidRequestError, Processor, PromptType
 from memwall.engine.protocol import EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest, EngineStats
 from memwall.outputs import RequestOutput
+from memwall.lora.request import LoRARequest
 from memwall.sampling_params import SamplingParams
 from memwall.tokenizer.tokenizer import Tokenizer
 
@@ -32,6 +33,7 @@ class CoreClient(Protocol):
 
     def add_request(self, first: EngineCoreRequest, forks: list[EngineCoreRequest] = ()) -> None: ...
     def abort_requests(self, request_ids: list[str]) -> None: ...
+    def remove_lora(self, lora_int_id: int) -> None: ...
     def step(self) -> EngineCoreOutputs: ...
     def has_unfinished_requests(self) -> bool: ...
     def shutdown(self) -> None: ...
@@ -84,12 +86,14 @@ class LLMEngine:
         return self.stats.num_total_blocks
 
     # ---- requests --------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> list[int]:
-        """Queues a request; returns its prompt token ids. Raises InvalidRequestError on bad input."""
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    lora_request: LoRARequest | None = None) -> list[int]:
+        """Queues a request (through ``lora_request``'s adapter, if given); returns its prompt
+        token ids. Raises InvalidRequestError on bad input."""
         if request_id in self.outputs.parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         prompt_ids = self.processor.tokenize(prompt)
-        requests = self.processor.make_requests(request_id, prompt_ids, params)
+        requests = self.processor.make_requests(request_id, prompt_ids, params, lora_request)
         self.outputs.add(request_id, prompt if isinstance(prompt, str) else None, requests)
         # Samples 2..n fork the first one's KV once its prompt is done (no second prefill).
         self.core.add_request(requests[0], requests[1:])
@@ -101,6 +105,11 @@ class LLMEngine:
         ids = self.outputs.abort(request_id)
         if ids:
             self.core.abort_requests(ids)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """The adapter takes no new requests (the API side forgot its name); the workers drop
+        it once its running requests end."""
+        self.core.remove_lora(lora_int_id)
 
     def has_unfinished_requests(self) -> bool:
         """Requests the API side waits on, or work the core still owes (an abort's freeing)."""

@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 from memwall.engine.protocol import EngineCoreRequest
+from memwall.lora.request import LoRARequest
 from memwall.sampling_params import SamplingParams
 from memwall.structured.backend import DEFAULT_BACKEND
 from memwall.structured.backend import check as check_constraint
@@ -59,8 +60,8 @@ class Processor:
                                       f"(0..{self.vocab_size - 1})", "prompt")
         return ids
 
-    def make_requests(self, request_id: str, prompt_ids: list[int],
-                      params: SamplingParams) -> list[EngineCoreRequest]:
+    def make_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      lora_request: LoRARequest | None = None) -> list[EngineCoreRequest]:
         """One request per sample; samples 2..n are named ``{request_id}/{index}``."""
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
@@ -80,7 +81,8 @@ class Processor:
             if child_params.prompt_logprobs is not None and index > 0:
                 # Only the first sample computes prompt logprobs; the others would repeat them.
                 child_params = replace(child_params, prompt_logprobs=None)
-            requests.append(EngineCoreRequest(child_id, list(prompt_ids), child_params, max_tokens, eos))
+            requests.append(EngineCoreRequest(child_id, list(prompt_ids), child_params, max_tokens,
+                                              eos, lora_request=lora_request))
         return requests
 
     def check_structured_outputs(self, params: SamplingParams, param: str = "structured_outputs") -> None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from memwall.config import ModelArchConfig
+from memwall.lora.request import LoRARequest
 from memwall.sampling_params import SamplingParams
 
 
@@ -31,6 +33,8 @@ class EngineCoreRequest:
     """time.monotonic() on the API side (CLOCK_MONOTONIC is shared by all processes)."""
     cache_extra_keys: tuple = ()
     """Extra namespace for prefix-cache hashes (e.g. a LoRA adapter id or a cache salt)."""
+    lora_request: LoRARequest | None = None
+    """The adapter this sample runs with (memwall/lora/); None: the base model."""
 
 
 @dataclass
@@ -80,6 +84,8 @@ class EngineStats:
     spec_num_accepted_tokens: int = 0
     spec_num_verify_steps: int = 0
     """Sequence-steps that verified drafts."""
+    lora: "LoRAStatsSnapshot | None" = None
+    """Multi-LoRA counters (None: LoRA is off)."""
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -104,6 +110,40 @@ class EngineStats:
         return 1.0 - self.num_free_blocks / self.num_total_blocks
 
 
+@dataclass(frozen=True)
+class AdapterCounters:
+    name: str
+    requests: int = 0
+    loads: int = 0
+    """Times read from disk into the workers' host caches."""
+    prefix_queries: int = 0
+    """Prompt tokens of its requests looked up in the prefix cache ..."""
+    prefix_hits: int = 0
+    """... and found there."""
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+@dataclass(frozen=True)
+class LoRAStatsSnapshot:
+    loads: int = 0
+    evictions: int = 0
+    """Adapters dropped from the host caches to make room."""
+    resident: int = 0
+    """Adapters in the host caches now."""
+    cached_blocks: int = 0
+    """Prefix-cache blocks computed through an adapter ..."""
+    cached_blocks_not_resident: int = 0
+    """... of which the adapter is not in the host caches (reusable only after a reload)."""
+    adapters: tuple[AdapterCounters, ...] = ()
+
+    @property
+    def not_resident_share(self) -> float:
+        return self.cached_blocks_not_resident / self.cached_blocks if self.cached_blocks else 0.0
+
+
 @dataclass
 class EngineCoreOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
@@ -122,3 +162,7 @@ class EngineCoreInfo:
     """The start-up line: KV cache size, context window, device."""
     structured_outputs_backend: str = "llguidance"
     """The grammar backend the core compiles with (the API side checks constraints with it)."""
+    arch: ModelArchConfig | None = None
+    """The model's shapes (the API side checks a LoRA adapter against them before loading)."""
+    max_lora_rank: int | None = None
+    """None: LoRA is off; else the largest adapter rank the workers' slots take."""

@@ -82,6 +82,11 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json"],
                        help="how tool calls are read from the output: hermes (<tool_call> tags: "
                             "Hermes, Qwen2.5), llama3_json, or auto (from the chat template)")
+    serve.add_argument("--lora-modules", nargs="+", action="extend", default=None,
+                       metavar="NAME=PATH",
+                       help="LoRA adapters to serve (needs --enable-lora): name=path, or JSON "
+                            '\'{"name": ..., "path": ...}\'; a request picks one by "model". '
+                            "More can be loaded at run time: POST /v1/load_lora_adapter")
     add_engine_flags(serve)
     # a server expects constrained requests: their grammar backend is built while it starts
     serve.set_defaults(run=run_serve, structured_outputs_warmup=True)

@@ -10,6 +10,7 @@ from memwall.config import EngineArgs
 from memwall.engine.llm_engine import LLMEngine
 from memwall.engine.processor import PromptType
 from memwall.outputs import RequestOutput
+from memwall.lora.request import LoRARequest
 from memwall.sampling_params import SamplingParams
 
 Messages = list[dict[str, Any]]
@@ -36,14 +37,19 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Prompts are strings or token-id lists; outputs come back in the same order."""
+                 use_tqdm: bool = False,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """Prompts are strings or token-id lists; outputs come back in the same order.
+        ``lora_request``: one adapter for all prompts, or one (or None) per prompt (needs
+        ``LLM(enable_lora=True)``)."""
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
+        loras = _as_lora_list(lora_request, len(prompt_list))
         ids = [str(next(self._ids)) for _ in prompt_list]
         try:
-            for request_id, prompt, p in zip(ids, prompt_list, params):
-                self.engine.add_request(request_id, prompt, p)
+            for request_id, prompt, p, lora in zip(ids, prompt_list, params, loras):
+                self.engine.add_request(request_id, prompt, p, lora)
         except Exception:
             for request_id in ids:  # all or nothing: a bad prompt leaves no half-queued batch
                 self.engine.abort_request(request_id)
@@ -55,14 +61,16 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              add_generation_prompt: bool = True, use_tqdm: bool = False,
              tools: list[dict] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them. ``tools`` (OpenAI
         function definitions) and ``chat_template_kwargs`` go to the chat template, as in vLLM;
         the output is not parsed for calls here (the server's tool_choice does that)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.render_chat(c, add_generation_prompt, tools, chat_template_kwargs)
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def render_chat(self, messages: Messages, add_generation_prompt: bool = True,
                     tools: list[dict] | None = None,
@@ -87,6 +95,15 @@ class LLM:
     def _drain(self) -> None:
         while self.engine.has_unfinished_requests():
             self.engine.step()
+
+
+def _as_lora_list(lora, count: int) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * count
+    loras = list(lora)
+    if len(loras) != count:
+        raise ValueError(f"{len(loras)} lora requests for {count} prompts")
+    return loras
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:

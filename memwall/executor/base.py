@@ -39,6 +39,14 @@ class Executor(ABC):
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Runs one step on every worker; returns the (driver worker's) sampled tokens."""
 
+    def add_lora(self, lora):
+        """Loads a LoRA adapter (memwall.lora.LoRARequest) into every worker's host cache;
+        returns its AdapterInfo, or raises LoRAError. Called from the registry's thread."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve LoRA adapters")
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Drops an adapter from every worker."""
+
     def describe(self) -> str:
         return ""
 

@@ -29,5 +29,11 @@ class UniProcExecutor(Executor):
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         return self.worker.execute(sched)
 
+    def add_lora(self, lora):
+        return self.worker.add_lora(lora)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.worker.remove_lora(lora_int_id)
+
     def describe(self) -> str:
         return self.worker.describe()

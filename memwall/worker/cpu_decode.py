@@ -4,6 +4,9 @@ quantized matmuls, RMSNorm, rotary, paged attention over the blocks in place, Si
 
 The runner asks ``can_run`` each step and otherwise calls the model, whose attention goes
 through the step's backend; both compute the same thing (tests/kernels/test_cpu_decode.py).
+With LoRA (``model.lora_slots``, set by memwall.lora.layers.apply_lora) the C step adds each
+sequence's adapter delta too, so a batch of mixed adapters stays one call
+(tests/kernels/test_cpu_decode_lora.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ class FusedCpuDecode:
         self.max_len = min(windows) if windows else None
         """decode.c attends every key: past the smallest sliding window the model runs instead."""
         self.embed_scale = getattr(model.model, "embed_scale", None)
+        self.runs_lora = decoder.model.n_slots > 0
+        """The decoder was built with the model's LoRA slots: steps with adapters run here too."""
 
     @classmethod
     def build(cls, model: torch.nn.Module, kv_caches: list) -> "FusedCpuDecode | None":
@@ -40,10 +45,13 @@ class FusedCpuDecode:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             attn: AttentionMetadata) -> torch.Tensor:
-        """hidden [B, hidden] after the final norm, like the model's forward."""
+        """hidden [B, hidden] after the final norm, like the model's forward. The LoRA slot of
+        each sequence is the one the runner set for the step (``LoRASlots.set_step``: one token
+        per sequence, in batch order, which is the C step's row order)."""
         batch = attn.decode
         embeddings = self.model.model.embed_tokens(input_ids)  # [B, hidden]
         if self.embed_scale is not None:  # Gemma, as its forward scales them
             embeddings = embeddings * torch.tensor(self.embed_scale, dtype=embeddings.dtype)
+        lora = getattr(self.model, "lora_slots", None)
         return self.decoder.step(embeddings, positions, attn.slot_mapping, batch.seq_lens,
-                                 batch.block_tables)
+                                 batch.block_tables, lora.token_slots if lora is not None else None)

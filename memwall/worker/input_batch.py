@@ -37,6 +37,7 @@ class RequestState:
     eos_token_ids: frozenset[int]
     num_prompt_tokens: int
     num_prompt_logprobs_done: int = 0
+    lora_id: int = 0
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -128,7 +129,7 @@ class RequestRows:
         self.num_computed[row] = new.num_computed_tokens
         self.states[new.request_id] = RequestState(new.request_id, new.sampling_params,
                                                    new.eos_token_ids, prompt_len,
-                                                   new.num_prompt_logprobs_done)
+                                                   new.num_prompt_logprobs_done, new.lora_id)
 
     def apply(self, cached: CachedRequestData) -> None:
         row = self.row_of[cached.request_id]

@@ -42,8 +42,10 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: ModelArchConfig, plan: KVCachePlan,
                  dtype: torch.dtype, seed: int, dev: DeviceConfig, max_num_seqs: int,
                  max_model_len: int, speculative: SpeculativeConfig | None = None,
-                 draft: LoadedModel | None = None) -> None:
-        """``dtype``: the KV cache's; ``draft``: the drafter of ``"method": "draft_model"``."""
+                 draft: LoadedModel | None = None, lora=None) -> None:
+        """``dtype``: the KV cache's; ``draft``: the drafter of ``"method": "draft_model"``;
+        ``lora``: the worker's adapters (memwall/lora/worker_lora.py), whose slots the model's
+        projections read."""
         device = dev.device
         backend = choose_attention_backend(device)
         self.model = model
@@ -60,6 +62,7 @@ class ModelRunner:
                                               pin_memory=self.device.type == "cuda")
                             if plan.num_swap_blocks else [])
         self.sampler = Sampler()
+        self.lora = lora
         self._generators: dict[str, torch.Generator] = {}
         torch.manual_seed(seed)  # the shared generator used by unseeded requests (every device)
         self.fast_path = None  # a CudaGraphRunner or a FusedCpuDecode: decode-only steps
@@ -171,7 +174,9 @@ class ModelRunner:
         attn = self.attn_backend.build_metadata(inputs.query_lens, inputs.seq_lens,
                                                 inputs.block_tables, inputs.slot_mapping,
                                                 self.block_size)
-        if self.fast_path is not None and self.fast_path.can_run(attn):
+        lora_active = self._prepare_lora(sched)
+        if (self.fast_path is not None and self.fast_path.can_run(attn)
+                and (not lora_active or getattr(self.fast_path, "runs_lora", False))):
             hidden = self.fast_path.run(inputs.input_ids, inputs.positions, attn)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn)
@@ -191,6 +196,18 @@ class ModelRunner:
                 self._record_features(sched, inputs, hidden, out)
             self._propose(sched, out)
         return out
+
+    def _prepare_lora(self, sched: SchedulerOutput) -> bool:
+        """Each token's adapter slot for this step (tokens are the requests' scheduled counts
+        in batch order); True when some token uses an adapter."""
+        if self.lora is None:
+            return False
+        states = self.rows.states
+        ids: list[int] = []
+        for request_id, count in sched.num_scheduled_tokens.items():
+            ids.extend([states[request_id].lora_id] * count)
+        self.lora.prepare(ids)
+        return self.lora.slots.token_slots is not None
 
     def _record_features(self, sched: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor,
                          out: RunnerOutput) -> None:

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from memwall.worker.device import (GpuMemoryProfile, kv_cache_dtype, loader_quan
 from memwall.worker.kv_cache import KVCachePlan, plan_kv_cache
 from memwall.worker.runner import ModelRunner
 from memwall.worker.step_shape import StepShape, measure as measure_step_shape
+
+if TYPE_CHECKING:
+    from memwall.lora.worker_lora import WorkerLoRA
 
 logger = logging.getLogger("memwall")
 
@@ -65,6 +69,7 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.gpu_memory: GpuMemoryProfile | None = None
         self.draft: LoadedModel | None = None
+        self.lora = None
 
     def load_model(self) -> ModelInfo:
         torch.set_num_threads(self.args.threads or default_threads())
@@ -112,9 +117,34 @@ class Worker:
             for module in self.model.modules():
                 if isinstance(module, RotaryEmbedding):
                     module.truncate(max_model_len)
+        self.lora = self._make_lora()
         self.runner = ModelRunner(self.model, self.loaded.arch, plan, kv_cache_dtype(dev),
                                   self.args.seed, dev, max_num_seqs, max_model_len,
-                                  self.args.speculative(), self.draft)
+                                  self.args.speculative(), self.draft, self.lora)
+
+    def _make_lora(self) -> "WorkerLoRA | None":
+        """With --enable-lora: slots for max_loras adapters, the model's projections wrapped
+        to add their deltas (before the runner describes the model to the fused CPU step)."""
+        if not self.args.enable_lora:
+            return None
+        from memwall.lora.layers import apply_lora
+        from memwall.lora.worker_lora import WorkerLoRA
+
+        if self.device_config.is_cuda:
+            raise ValueError("LoRA serving runs on the CPU backend for now (--device cpu)")
+        lora = WorkerLoRA(self.loaded.arch, self.args.max_loras, self.args.max_lora_rank,
+                          _head_counts(self.loaded.arch))
+        apply_lora(self.model, lora.slots)
+        return lora
+
+    def add_lora(self, lora_request):
+        if self.lora is None:
+            raise ValueError("LoRA adapters are not enabled on this engine (--enable-lora)")
+        return self.lora.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        if self.lora is not None:
+            self.lora.remove(lora_int_id)
 
     def measure_step_shape(self, max_num_seqs: int, block_size: int) -> StepShape | None:
         """The CPU step budget from this machine's measured kernel speed (step_shape.py); None
@@ -135,6 +165,12 @@ class Worker:
         if self.gpu_memory is not None:
             parts.append(self.gpu_memory.describe())
         return "; ".join(p for p in parts if p)
+
+
+def _head_counts(arch: ModelArchConfig) -> dict:
+    """What a GGUF LoRA needs to undo llama.cpp's q/k row permutation."""
+    return {"num_attention_heads": arch.num_attention_heads,
+            "num_key_value_heads": arch.num_key_value_heads}
 
 
 def default_threads() -> int:

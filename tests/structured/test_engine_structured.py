@@ -154,7 +154,7 @@ def test_a_compiling_grammar_never_stalls_other_requests(tiny_llama, monkeypatch
     try:
         while "plain" not in finished:
             finished += [o.request_id for o in engine.step() if o.finished]
-        assert finished == ["plain"] and len(engine.core._compiling) == 1
+        assert finished == ["plain"] and len(engine.core._preparing) == 1
     finally:
         release.set()
     while engine.has_unfinished_requests():
@@ -174,7 +174,7 @@ def test_abort_while_compiling_leaves_nothing(tiny_llama, monkeypatch):
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert [o.outputs[0].finish_reason for o in outputs if o.finished] == ["abort"]
-    assert not engine.core._compiling and not engine.core.scheduler.requests
+    assert not engine.core._preparing and not engine.core.scheduler.requests
     # the engine still serves: the cached compile is reused
     again = llm.generate([[4, 5, 6]], constrained(regex=r"[a-f]{9}", seed=2))[0].outputs[0]
     assert re.fullmatch(r"[a-f]{9}", again.text)

@@ -11,7 +11,7 @@ between the device pool and the secondary (host) pool.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from memwall.core.kv.block_pool import BlockPool
 from memwall.core.kv.hashing import extend_block_hashes
@@ -29,6 +29,8 @@ class PrefixCacheStats:
     """Prompt tokens looked up in the prefix cache."""
     hits: int = 0
     """Of those, tokens whose KV was found."""
+    per_namespace: dict = field(default_factory=dict)
+    """cache_extra_keys -> [queries, hits] (per LoRA adapter, per cache salt)."""
 
     @property
     def hit_rate(self) -> float:
@@ -86,6 +88,9 @@ class KVCacheManager:
             blocks.append(block_id)
         self.stats.queries += request.num_tokens
         self.stats.hits += len(blocks) * self.block_size
+        counts = self.stats.per_namespace.setdefault(request.cache_extra_keys, [0, 0])
+        counts[0] += request.num_tokens
+        counts[1] += len(blocks) * self.block_size
         return blocks
 
     def cache_full_blocks(self, request: Request) -> None:
@@ -103,7 +108,8 @@ class KVCacheManager:
         extend_block_hashes(request.block_hashes, request.tokens_from(hashed), self.block_size,
                             request.cache_extra_keys, hashed)
         for index in range(done, full):
-            self.pool.register(table[index], request.block_hashes[index])
+            self.pool.register(table[index], request.block_hashes[index], request.cache_extra_keys,
+                               index)
         self._num_registered[request.request_id] = full
 
     # ---- allocation ------------------------------------------------------------------------

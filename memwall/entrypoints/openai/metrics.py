@@ -6,7 +6,8 @@ Three sources feed it:
   (TTFT, inter-token latency, end-to-end latency, tokens, finish reason);
 * ``HTTPMetricsMiddleware``: the HTTP status of every response;
 * ``EngineCollector``: the engine's latest ``EngineStats`` snapshot, read at scrape time (running
-  and waiting requests, KV-cache usage, preemptions), so nothing polls the engine in between.
+  and waiting requests, KV-cache usage, preemptions, and with --enable-lora the adapters' loads,
+  evictions and per-adapter prefix-cache hit rates), so nothing polls the engine in between.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from memwall.engine.async_engine import AsyncLLMEngine
+from memwall.engine.protocol import LoRAStatsSnapshot
 from memwall.outputs import RequestOutput
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -140,6 +142,40 @@ class EngineCollector:
         }
         for name, (help_text, value) in counters.items():
             yield CounterMetricFamily(name, help_text, value=value)
+        if stats.lora is not None:
+            yield from lora_metrics(stats.lora)
+
+
+def lora_metrics(lora: LoRAStatsSnapshot):
+    """Multi-LoRA: the host caches' loads, evictions and residents, and per adapter (labelled
+    by its name) requests and prefix-cache hit rate."""
+    yield CounterMetricFamily("memwall:lora_adapter_loads",
+                              "LoRA adapters read from disk into the host caches", value=lora.loads)
+    yield CounterMetricFamily("memwall:lora_adapter_evictions",
+                              "LoRA adapters dropped from the host caches to make room",
+                              value=lora.evictions)
+    yield GaugeMetricFamily("memwall:lora_adapters_resident",
+                            "LoRA adapters in the host caches now", value=lora.resident)
+    yield GaugeMetricFamily("memwall:lora_cached_blocks_not_resident_ratio",
+                            "Share of the prefix cache's adapter blocks whose adapter is not in "
+                            "the host caches (0..1)", value=lora.not_resident_share)
+    requests = CounterMetricFamily("memwall:lora_requests", "Requests by LoRA adapter",
+                                   labels=["adapter"])
+    hit_rate = GaugeMetricFamily("memwall:lora_prefix_cache_hit_rate",
+                                 "Prompt tokens served from the prefix cache / looked up, by LoRA "
+                                 "adapter", labels=["adapter"])
+    queries = CounterMetricFamily("memwall:lora_prefix_cache_queries",
+                                  "Prompt tokens looked up in the prefix cache, by LoRA adapter",
+                                  labels=["adapter"])
+    hits = CounterMetricFamily("memwall:lora_prefix_cache_hits",
+                               "Prompt tokens whose KV came from the prefix cache, by LoRA adapter",
+                               labels=["adapter"])
+    for adapter in lora.adapters:
+        requests.add_metric([adapter.name], adapter.requests)
+        hit_rate.add_metric([adapter.name], adapter.prefix_hit_rate)
+        queries.add_metric([adapter.name], adapter.prefix_queries)
+        hits.add_metric([adapter.name], adapter.prefix_hits)
+    yield from (requests, hit_rate, queries, hits)
 
 
 class HTTPMetricsMiddleware:

@@ -306,11 +306,30 @@ class ModelCard(OpenAIModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "memwall"
     max_model_len: int | None = None
+    root: str | None = None
+    """vLLM's: the model, or a LoRA adapter's path."""
+    parent: str | None = None
+    """vLLM's: a LoRA adapter's base model (None for the base model itself)."""
 
 
 class ModelList(OpenAIModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(OpenAIModel):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_path: Annotated[str, Field(min_length=1)]
+    """A PEFT directory or a GGUF LoRA file, as the server's machine sees it."""
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    """POST /v1/unload_lora_adapter (vLLM's body; its lora_int_id is accepted and ignored)."""
+
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_int_id: int | None = None
 
 
 class TokenizeRequest(OpenAIModel):

@@ -1,8 +1,12 @@
 """The FastAPI app (``build_app``) and the process around it (``serve``: socket, uvicorn, signals).
 
 Routes:  POST /v1/completions   POST /v1/chat/completions   GET /v1/models
+         POST /v1/load_lora_adapter   POST /v1/unload_lora_adapter   (--enable-lora; else 400)
          GET /health  GET /metrics  GET /version  POST /tokenize  POST /detokenize
 With an API key, every /v1 route needs ``Authorization: Bearer <key>`` (else 401).
+
+A request's ``model`` is one of the base model's served names, or a LoRA adapter's name
+(``--lora-modules``, or loaded at run time): entrypoints/openai/serving_lora.py.
 
 Shutdown (SIGTERM or Ctrl-C, handled by uvicorn): stop accepting connections, let open
 requests finish, then the lifespan hook drains and stops the engine thread.
@@ -21,9 +25,10 @@ import socket
 import sys
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import memwall
 from memwall.config import EngineArgs
@@ -36,14 +41,17 @@ from memwall.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
-    ModelCard,
+    LoadLoRAAdapterRequest,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from memwall.entrypoints.openai.serving_chat import OpenAIServingChat, ToolSettings
 from memwall.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from memwall.entrypoints.openai.serving_engine import OpenAIServing
+from memwall.entrypoints.openai.serving_lora import (LoRAModulePath, OpenAIServingModels,
+                                                     parse_lora_modules)
 
 logger = logging.getLogger("memwall.server")
 
@@ -60,15 +68,22 @@ class ServerSettings:
     """Seconds to wait for running requests at shutdown; None = as long as they take."""
     tools: ToolSettings = field(default_factory=ToolSettings)
     """--enable-auto-tool-choice and --tool-call-parser."""
+    lora_modules: list[LoRAModulePath] = field(default_factory=list)
+    """--lora-modules: adapters served from the start (needs an engine with LoRA enabled)."""
 
 
 def build_app(engine: AsyncLLMEngine, settings: ServerSettings | None = None) -> FastAPI:
-    """The ASGI app. Its lifespan starts the engine thread and drains it at shutdown."""
+    """The ASGI app. Its lifespan starts the engine thread and drains it at shutdown.
+
+    Raises ValueError (LoRAError: one line, the reason) for a --lora-modules adapter this
+    engine cannot serve: each is read and checked here, before the server takes a request."""
     settings = settings or ServerSettings()
-    names = settings.served_model_names or [engine.model_name]
+    models = OpenAIServingModels(engine, settings.served_model_names or [engine.model_name])
+    for module in settings.lora_modules:
+        models.add_startup(module)
     metrics = ServerMetrics(engine)
-    completions = OpenAIServingCompletion(engine, metrics, names, settings.max_queue)
-    chat = OpenAIServingChat(engine, metrics, names, settings.max_queue, tools=settings.tools)
+    completions = OpenAIServingCompletion(engine, metrics, models, settings.max_queue)
+    chat = OpenAIServingChat(engine, metrics, models, settings.max_queue, tools=settings.tools)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -79,7 +94,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings | None = None) ->
     errors = {status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 500, 503)}
     app = FastAPI(title="memwall", version=memwall.__version__, lifespan=lifespan, responses=errors)
     install_error_handlers(app)
-    routers = [openai_routes(completions, chat), utility_routes(chat, metrics)]
+    routers = [openai_routes(completions, chat), lora_routes(models), utility_routes(chat, metrics)]
     for router in routers:
         app.include_router(router)
     if settings.api_key:
@@ -104,8 +119,24 @@ def openai_routes(completions: OpenAIServingCompletion, chat: OpenAIServingChat)
 
     @router.get("/models")
     async def list_models() -> ModelList:
-        max_len = chat.engine.max_model_len
-        return ModelList(data=[ModelCard(id=name, max_model_len=max_len) for name in chat.model_names])
+        return ModelList(data=chat.models.cards(chat.engine.max_model_len))
+
+    return router
+
+
+def lora_routes(models: OpenAIServingModels) -> APIRouter:
+    """vLLM's run-time adapter routes (plain-text success bodies, as vLLM answers)."""
+    router = APIRouter(prefix="/v1")
+
+    @router.post("/load_lora_adapter", response_class=PlainTextResponse)
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        await models.load(body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @router.post("/unload_lora_adapter", response_class=PlainTextResponse)
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        models.unload(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     return router
 
@@ -186,11 +217,13 @@ def uvicorn_server(app: FastAPI, log_level: str = "info"):
     return uvicorn.Server(config)
 
 
-def serve(engine: AsyncLLMEngine, settings: ServerSettings, host: str, port: int) -> None:
-    """Runs until SIGINT/SIGTERM, then shuts down gracefully."""
+def serve(engine: AsyncLLMEngine, settings: ServerSettings, host: str, port: int,
+          app: FastAPI | None = None) -> None:
+    """Runs until SIGINT/SIGTERM, then shuts down gracefully. ``app``: already built."""
+    app = app if app is not None else build_app(engine, settings)
     sock = server_socket(host, port)
     logger.info("memwall serving %s on http://%s:%d", engine.model_name, host, sock.getsockname()[1])
-    uvicorn_server(build_app(engine, settings)).run(sockets=[sock])
+    uvicorn_server(app).run(sockets=[sock])
 
 
 def run_server(args) -> int:
@@ -204,6 +237,13 @@ def run_server(args) -> int:
         args.engine_model = args.model_path
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine_args = engine_args_from(args)
+    # a bad --lora-modules entry fails here, before the model loads, where it can
+    lora_modules = parse_lora_modules(getattr(args, "lora_modules", None) or [])
+    if lora_modules and not engine_args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    for module in lora_modules:
+        if not Path(module.path).exists():
+            raise ValueError(f"--lora-modules {module.name}: {module.path!r} does not exist")
     try:
         engine = build_engine(engine_args, core_process=getattr(args, "core_process", True))
     except EngineCoreStartError as e:
@@ -213,8 +253,15 @@ def run_server(args) -> int:
     api_key = args.api_key or os.environ.get("MEMWALL_API_KEY") or None
     parser = None if args.tool_call_parser == "auto" else args.tool_call_parser
     settings = ServerSettings(served_model_names=names, api_key=api_key, max_queue=args.max_queue,
-                              tools=ToolSettings(args.enable_auto_tool_choice, parser))
-    serve(engine, settings, args.host, args.port)
+                              tools=ToolSettings(args.enable_auto_tool_choice, parser),
+                              lora_modules=lora_modules)
+    try:
+        app = build_app(engine, settings)  # reads and checks the --lora-modules adapters
+    except ValueError as e:
+        engine.engine.shutdown()  # the core process too
+        print(f"memwall: error: {e}", file=sys.stderr)
+        return 1
+    serve(engine, settings, args.host, args.port, app)
     return 0
 
 

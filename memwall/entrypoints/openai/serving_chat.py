@@ -61,7 +61,7 @@ class OpenAIServingChat(OpenAIServing):
         self.tool_settings = tools or ToolSettings()
 
     async def create(self, request: ChatCompletionRequest, raw: Request) -> Response:
-        model = self.check_model(request.model)
+        model, lora = self.resolve_model(request.model)
         self.check_common(request, 1)
         top_logprobs = self._top_logprobs(request)
         settings = self.tool_settings
@@ -75,7 +75,7 @@ class OpenAIServingChat(OpenAIServing):
         self.constrain(params, request, setup.constraint() if setup else None)
         self.check_capacity()
         request_id = self.new_id("chatcmpl")
-        streams, trackers = await self.start(request_id, [prompt_ids], params)
+        streams, trackers = await self.start(request_id, [prompt_ids], params, lora)
         return await self.respond(
             raw, bool(request.stream), streams, trackers,
             lambda: self._stream(request, request_id, model, streams, trackers, setup),

@@ -36,7 +36,7 @@ class _Choice:
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, request: CompletionRequest, raw: Request) -> Response:
-        model = self.check_model(request.model)
+        model, lora = self.resolve_model(request.model)
         prompts = self._prompts(request)
         self.check_common(request, len(prompts))
         if request.suffix:
@@ -49,7 +49,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.constrain(params, request)
         self.check_capacity()
         request_id = self.new_id("cmpl")
-        streams, trackers = await self.start(request_id, prompts, params)
+        streams, trackers = await self.start(request_id, prompts, params, lora)
         return await self.respond(
             raw, bool(request.stream), streams, trackers,
             lambda: self._stream(request, request_id, model, prompts, streams, trackers),

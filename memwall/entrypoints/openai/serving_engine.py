@@ -3,7 +3,7 @@ requests, reading their outputs (with metrics), SSE framing, and client-disconne
 
 The life of one HTTP request here:
 
-    check_model -> check_capacity -> start() (one engine request per prompt; all or none)
+    resolve_model -> check_capacity -> start() (one engine request per prompt; all or none)
       -> respond()   stream:     outputs() -> SSE chunks, flushed one by one -> "data: [DONE]"
                      non-stream: until_disconnect(final_outputs()) -> one JSON body
 
@@ -37,6 +37,8 @@ from memwall.entrypoints.openai.protocol import (
     TokenizeResponse,
     UsageInfo,
 )
+from memwall.entrypoints.openai.serving_lora import OpenAIServingModels
+from memwall.lora.request import LoRARequest
 from memwall.outputs import RequestOutput
 from memwall.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -53,24 +55,31 @@ class ClientDisconnected(Exception):
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, metrics: ServerMetrics, model_names: list[str],
+    def __init__(self, engine: AsyncLLMEngine, metrics: ServerMetrics, models: OpenAIServingModels,
                  max_queue: int | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
-        self.model_names = model_names
+        self.models = models
         self.max_queue = max_queue
+
+    @property
+    def model_names(self) -> list[str]:
+        """The base model's served names."""
+        return self.models.base_names
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
     # ---- admission -------------------------------------------------------------------------
+    def resolve_model(self, name: str | None) -> tuple[str, LoRARequest | None]:
+        """(the name to echo back, the LoRA adapter it names or None for the base model);
+        404 for a model this server does not have."""
+        return self.models.resolve(name)
+
     def check_model(self, name: str | None) -> str:
         """The served name to echo back; 404 for a model this server does not have."""
-        if name is None or name in self.model_names:
-            return name or self.model_names[0]
-        raise APIError(404, f"the model {name!r} does not exist; this server serves "
-                            f"{', '.join(map(repr, self.model_names))}", "model", "model_not_found")
+        return self.resolve_model(name)[0]
 
     def check_capacity(self) -> None:
         """429 with Retry-After once --max-queue requests are already waiting."""
@@ -153,15 +162,17 @@ class OpenAIServing:
     def new_id(prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
 
-    async def start(self, request_id: str, prompts: list, params: SamplingParams
+    async def start(self, request_id: str, prompts: list, params: SamplingParams,
+                    lora_request: LoRARequest | None = None
                     ) -> tuple[list[RequestStream], list[RequestTracker]]:
-        """Adds one engine request per prompt; if one is refused, the others are aborted."""
+        """Adds one engine request per prompt (each through ``lora_request``'s adapter, if
+        given); if one is refused, the others are aborted."""
         trackers = [self.metrics.tracker() for _ in prompts]
         streams: list[RequestStream] = []
         try:
             for index, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{index}"
-                streams.append(await self.engine.add_request(rid, prompt, params))
+                streams.append(await self.engine.add_request(rid, prompt, params, lora_request))
         except BaseException:
             for stream in streams:
                 self.engine.abort(stream.request_id)

@@ -54,6 +54,8 @@ _ERRORS = {
     -3: (ValueError, "got a block table entry outside the KV cache's blocks"),
     -4: (ValueError, "got a position outside the model's rotary tables (max_position_embeddings)"),
     -5: (ValueError, "got a cache slot outside the KV cache"),
+    -6: (ValueError, "got a LoRA slot outside -1..max_loras - 1 (or LoRA on a model built "
+                     "without it)"),
 }
 
 
@@ -194,7 +196,7 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "mw_paged_decode_attention_kv": (i32, [p, p, p, p, p, i32, p, i64, p, i64, i64, i64,
                                                i64, i64, i64, f32, p]),
         "mw_kv_write": (i32, [p, i64, p, i64, i64, i64, i32, p, p]),
-        "mw_decode_step": (i32, [p, p, i64, p, p, p, p, i64, p, p]),
+        "mw_decode_step": (i32, [p, p, i64, p, p, p, p, i64, p, p, p]),
         "mw_profile": (None, [i32, p]),
     }
     for name, (restype, argtypes) in signatures.items():

@@ -16,6 +16,15 @@
  *   x = x + a @ Wo                   h = rms_norm(x) * w_post
  *   x = x + (silu(h @ Wg) * (h @ Wu)) @ Wd                           final: rms_norm(x) * w_final
  *
+ * LoRA (memwall/lora): a step's tokens may each use a different adapter resident in the
+ * LoRASlots (memwall/lora/slots.py), or none. After each projection, every token t with slot
+ * s >= 0 gets, for each target segment of that projection the adapter has (rank r > 0),
+ *
+ *   y_t[col:col+n] += (A[s, :r] x_t) @ Bt[s, :r]          A [r, k], Bt [r, n] = B^T * scaling
+ *
+ * as memwall/lora/layers.py computes it in torch (batched heterogeneous LoRA, as Punica and
+ * S-LoRA do on GPUs), so a mixed-adapter decode batch still runs in this one call.
+ *
  * Gemma 3's layout is the same with three options: the attention and MLP outputs are normed
  * before they join the residual (attn_out_norm, ffn_out_norm), the gate is GeLU (tanh form)
  * instead of SiLU, and a layer may have rotary tables of its own (the sliding layers' local
@@ -52,6 +61,18 @@ typedef struct {            /* a projection: up to 3 parts whose outputs sit sid
     mw_part parts[3];
 } mw_proj;
 
+typedef struct {            /* one LoRA target (SlotSegment of memwall/lora/slots.py) */
+    int64_t col, n, k;      /* its outputs are columns col..col+n-1 of the projection; k inputs */
+    const float* a;         /* [n_slots, max_rank, k]: A, rows 0..rank[s]-1 of slot s used */
+    const float* bt;        /* [n_slots, max_rank, n]: B^T with the adapter's scaling folded in */
+    const int32_t* rank;    /* [n_slots]; 0: the slot's adapter does not target this */
+} mw_lora_seg;
+
+typedef struct {            /* a projection's LoRA targets (nsegs 0: none) */
+    int64_t nsegs;
+    mw_lora_seg segs[3];
+} mw_lora_proj;
+
 typedef struct {
     const float* in_norm;   /* [hidden] */
     const float* post_norm; /* [hidden] */
@@ -66,6 +87,7 @@ typedef struct {
     const float* ffn_out_norm;  /* ... and the MLP output before the residual add */
     const float* rope_cos;      /* [max_positions, head_dim / 2] or NULL: the step's tables */
     const float* rope_sin;
+    mw_lora_proj lora_qkv, lora_o, lora_gate_up, lora_down;
 } mw_layer;
 
 typedef struct {
@@ -77,6 +99,8 @@ typedef struct {
     const mw_layer* layers;
     const float* final_norm;
     int64_t act;            /* the gate's activation: MW_ACT_SILU or MW_ACT_GELU_TANH */
+    int64_t max_rank;       /* LoRA: rank rows per slot (the a/bt row stride of a slot) */
+    int64_t n_slots;        /* LoRA slots (0: the model was described without LoRA) */
 } mw_model;
 
 enum { MW_ACT_SILU = 0, MW_ACT_GELU_TANH = 1 };
@@ -159,12 +183,198 @@ static int64_t proj_out(const mw_proj* proj) {
     return n;
 }
 
+/* ------------------------------------------------------------------ LoRA deltas */
+
+typedef struct {            /* one work item of lora_apply */
+    int32_t group, seg;
+    int64_t rank;           /* the segment's rank for the group's slot (lora_rank) */
+    int64_t at;             /* shrink: the rank row; expand: the first column */
+} mw_lora_job;
+
+/* The step's tokens grouped by LoRA slot, built once per step: a group's tokens share their
+ * adapter's A and Bt, so each row of those is read from memory once per group (and reused from
+ * L1 for the group's other tokens) rather than once per token. */
+typedef struct {
+    int64_t n_groups;
+    int64_t max_rank;
+    int64_t* slot;          /* [n_groups] */
+    int64_t* start;         /* [n_groups + 1]: the group's tokens are order[start[g]..start[g+1]) */
+    int64_t* order;         /* [B] token indexes, by group, in batch order within one */
+    float* u;               /* [B, 3, max_rank]: A x of each token, segment and rank row */
+    mw_lora_job* jobs;      /* scratch for one projection's work items */
+} mw_lora_step;
+
+#define MW_LORA_COLS 64               /* output columns per expand work item */
+#define MW_LORA_PARALLEL_WORK 16384   /* multiply-adds from which a projection's deltas go
+                                         parallel (below that, waking threads costs more) */
+
+static void lora_step_free(mw_lora_step* st) {  /* leaves st empty: safe to call again */
+    free(st->slot); free(st->start); free(st->order); free(st->u); free(st->jobs);
+    memset(st, 0, sizeof(*st));
+}
+
+/* Groups the tokens whose slot is >= 0; MW_OUT_OF_MEMORY or MW_OK (n_groups 0: no LoRA). The
+ * jobs scratch holds the most work items one projection can make: per group and segment,
+ * max_rank shrink rows plus one expand item per MW_LORA_COLS of at most `widest` columns. */
+static int lora_step_init(mw_lora_step* st, const int32_t* token_slots, int64_t B,
+                          int64_t max_rank, int64_t widest) {
+    memset(st, 0, sizeof(*st));
+    if (!token_slots) return MW_OK;
+    st->max_rank = max_rank;
+    st->slot = (int64_t*)malloc(sizeof(int64_t) * B);
+    st->start = (int64_t*)malloc(sizeof(int64_t) * (B + 1));
+    st->order = (int64_t*)malloc(sizeof(int64_t) * B);
+    if (!st->slot || !st->start || !st->order) { lora_step_free(st); return MW_OUT_OF_MEMORY; }
+    int64_t n = 0;
+    for (int64_t b = 0; b < B; b++) {  /* B is at most a few dozen: quadratic is fine */
+        int64_t s = token_slots[b], seen = 0;
+        for (int64_t g = 0; g < st->n_groups; g++) seen |= st->slot[g] == s;
+        if (s < 0 || seen) continue;
+        st->slot[st->n_groups] = s;
+        st->start[st->n_groups++] = n;
+        for (int64_t t = b; t < B; t++)
+            if (token_slots[t] == s) st->order[n++] = t;
+    }
+    st->start[st->n_groups] = n;
+    if (st->n_groups == 0) return MW_OK;
+    const int64_t jobs = st->n_groups * 3 * (max_rank + widest / MW_LORA_COLS + 1);
+    st->u = (float*)malloc(sizeof(float) * B * 3 * max_rank);
+    st->jobs = (mw_lora_job*)malloc(sizeof(mw_lora_job) * jobs);
+    if (!st->u || !st->jobs) { lora_step_free(st); return MW_OUT_OF_MEMORY; }
+    return MW_OK;
+}
+
+/* rank rows of slot s this segment uses (rank[] is the caller's: kept inside 0..max_rank).
+ * Read once per projection into the work items, so shrink and expand agree on it. */
+static inline int64_t lora_rank(const mw_lora_seg* seg, int64_t s, int64_t max_rank) {
+    int64_t r = seg->rank[s];
+    return r < 0 ? 0 : r > max_rank ? max_rank : r;
+}
+
+/* shrink: u[t, seg, j] = A[s, j] . x_t for the group's tokens t (one rank row j) */
+static void lora_shrink(const mw_lora_seg* seg, const mw_lora_step* st, const mw_lora_job* job,
+                        const float* x) {
+    const int64_t s = st->slot[job->group], R = st->max_rank;
+    const float* arow = seg->a + (s * R + job->at) * seg->k;
+    for (int64_t i = st->start[job->group]; i < st->start[job->group + 1]; i++) {
+        const int64_t t = st->order[i];
+        st->u[(t * 3 + job->seg) * R + job->at] = dot_f32(arow, x + t * seg->k, seg->k);
+    }
+}
+
+/* y[c] += sum over j < r of u[j] * bt[j * ld + c], for c < w: the delta of each column summed
+ * in j order in registers (bt read once, y once), then added, as torch adds (x A^T) Bt to y */
+static void lora_add_delta(const float* u, int64_t r, const float* bt, int64_t ld, float* y,
+                           int64_t w) {
+    int64_t c = 0;
+#if defined(__AVX512F__)
+    for (; c + 64 <= w; c += 64) {
+        __m512 d0 = _mm512_setzero_ps(), d1 = d0, d2 = d0, d3 = d0;
+        for (int64_t j = 0; j < r; j++) {
+            const __m512 uj = _mm512_set1_ps(u[j]);
+            const float* b = bt + j * ld + c;
+            d0 = _mm512_fmadd_ps(uj, _mm512_loadu_ps(b), d0);
+            d1 = _mm512_fmadd_ps(uj, _mm512_loadu_ps(b + 16), d1);
+            d2 = _mm512_fmadd_ps(uj, _mm512_loadu_ps(b + 32), d2);
+            d3 = _mm512_fmadd_ps(uj, _mm512_loadu_ps(b + 48), d3);
+        }
+        _mm512_storeu_ps(y + c, _mm512_add_ps(_mm512_loadu_ps(y + c), d0));
+        _mm512_storeu_ps(y + c + 16, _mm512_add_ps(_mm512_loadu_ps(y + c + 16), d1));
+        _mm512_storeu_ps(y + c + 32, _mm512_add_ps(_mm512_loadu_ps(y + c + 32), d2));
+        _mm512_storeu_ps(y + c + 48, _mm512_add_ps(_mm512_loadu_ps(y + c + 48), d3));
+    }
+    for (; c + 16 <= w; c += 16) {
+        __m512 d = _mm512_setzero_ps();
+        for (int64_t j = 0; j < r; j++)
+            d = _mm512_fmadd_ps(_mm512_set1_ps(u[j]), _mm512_loadu_ps(bt + j * ld + c), d);
+        _mm512_storeu_ps(y + c, _mm512_add_ps(_mm512_loadu_ps(y + c), d));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (; c + 32 <= w; c += 32) {
+        __m256 d0 = _mm256_setzero_ps(), d1 = d0, d2 = d0, d3 = d0;
+        for (int64_t j = 0; j < r; j++) {
+            const __m256 uj = _mm256_set1_ps(u[j]);
+            const float* b = bt + j * ld + c;
+            d0 = _mm256_fmadd_ps(uj, _mm256_loadu_ps(b), d0);
+            d1 = _mm256_fmadd_ps(uj, _mm256_loadu_ps(b + 8), d1);
+            d2 = _mm256_fmadd_ps(uj, _mm256_loadu_ps(b + 16), d2);
+            d3 = _mm256_fmadd_ps(uj, _mm256_loadu_ps(b + 24), d3);
+        }
+        _mm256_storeu_ps(y + c, _mm256_add_ps(_mm256_loadu_ps(y + c), d0));
+        _mm256_storeu_ps(y + c + 8, _mm256_add_ps(_mm256_loadu_ps(y + c + 8), d1));
+        _mm256_storeu_ps(y + c + 16, _mm256_add_ps(_mm256_loadu_ps(y + c + 16), d2));
+        _mm256_storeu_ps(y + c + 24, _mm256_add_ps(_mm256_loadu_ps(y + c + 24), d3));
+    }
+    for (; c + 8 <= w; c += 8) {
+        __m256 d = _mm256_setzero_ps();
+        for (int64_t j = 0; j < r; j++)
+            d = _mm256_fmadd_ps(_mm256_set1_ps(u[j]), _mm256_loadu_ps(bt + j * ld + c), d);
+        _mm256_storeu_ps(y + c, _mm256_add_ps(_mm256_loadu_ps(y + c), d));
+    }
+#endif
+    for (; c < w; c++) {
+        float d = 0.f;
+        for (int64_t j = 0; j < r; j++) d += u[j] * bt[j * ld + c];
+        y[c] += d;
+    }
+}
+
+/* expand: y_t[col + c0 .. col + c0 + w) += u[t, seg, :r] @ Bt[s, :r, c0 .. c0 + w) for the
+ * group's tokens (the r x w block of Bt stays in L1 from one token to the next) */
+static void lora_expand(const mw_lora_seg* seg, const mw_lora_step* st, const mw_lora_job* job,
+                        float* y, int64_t ldy) {
+    const int64_t s = st->slot[job->group], R = st->max_rank;
+    const int64_t c0 = job->at, w = seg->n - c0 < MW_LORA_COLS ? seg->n - c0 : MW_LORA_COLS;
+    const float* bt = seg->bt + s * R * seg->n + c0;
+    for (int64_t i = st->start[job->group]; i < st->start[job->group + 1]; i++) {
+        const int64_t t = st->order[i];
+        lora_add_delta(st->u + (t * 3 + job->seg) * R, job->rank, bt, seg->n,
+                       y + t * ldy + seg->col + c0, w);
+    }
+}
+
+/* y [B, ldy] (the projection's output) += the LoRA deltas of every token with a slot, x [B, k]
+ * its input. Work items: one per (group, segment, rank row) to shrink, then one per (group,
+ * segment, MW_LORA_COLS columns) to expand; each writes its own u entries or y columns, so
+ * the items split over threads with no locks, and the sums do not depend on the thread
+ * count. */
+static void lora_apply(const mw_lora_proj* lp, const mw_lora_step* st, const float* x, float* y,
+                       int64_t ldy) {
+    if (lp->nsegs == 0 || st->n_groups == 0) return;
+    mw_lora_job* jobs = st->jobs;
+    int64_t n_shrink = 0, n_jobs, work = 0;
+    for (int32_t g = 0; g < st->n_groups; g++)
+        for (int32_t i = 0; i < lp->nsegs; i++) {
+            const mw_lora_seg* seg = &lp->segs[i];
+            const int64_t r = lora_rank(seg, st->slot[g], st->max_rank);
+            for (int64_t j = 0; j < r; j++) jobs[n_shrink++] = (mw_lora_job){g, i, r, j};
+            work += r * (seg->k + seg->n) * (st->start[g + 1] - st->start[g]);
+        }
+    n_jobs = n_shrink;
+    for (int64_t q = 0; q < n_shrink; q++) {  /* each (group, segment) shrunk, from its row 0 */
+        if (jobs[q].at != 0) continue;
+        for (int64_t c = 0; c < lp->segs[jobs[q].seg].n; c += MW_LORA_COLS)
+            jobs[n_jobs++] = (mw_lora_job){jobs[q].group, jobs[q].seg, jobs[q].rank, c};
+    }
+    if (n_shrink == 0) return;  /* no token's adapter targets this projection */
+    #pragma omp parallel if (work >= MW_LORA_PARALLEL_WORK)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t q = 0; q < n_shrink; q++)
+            lora_shrink(&lp->segs[jobs[q].seg], st, &jobs[q], x);
+        /* the implied barrier: every u is written before any expand reads it */
+        #pragma omp for schedule(static)
+        for (int64_t q = n_shrink; q < n_jobs; q++)
+            lora_expand(&lp->segs[jobs[q].seg], st, &jobs[q], y, ldy);
+    }
+}
+
 /* ------------------------------------------------------------------ the whole step */
 
 /* Optional stage timers (benchmarks/cpu_profile.py): seconds spent per stage, summed over
  * steps while profiling is on. Stages: 0 norms, 1 qkv, 2 rope + cache write, 3 attention,
- * 4 o_proj, 5 gate_up, 6 silu*mul, 7 down. */
-#define MW_STAGES 8
+ * 4 o_proj, 5 gate_up, 6 silu*mul, 7 down, 8 LoRA deltas (all four projections'). */
+#define MW_STAGES 9
 static int mw_profiling = 0;
 static double mw_stage_seconds[MW_STAGES];
 void mw_profile(int on, double* out) {
@@ -247,26 +457,33 @@ static void gate_mul(const float* gate_up, float* act, int64_t B, int64_t inter,
 }
 
 /* MW_OK when the step's inputs address only what the model holds: positions inside the rotary
- * tables, slots and block ids inside the KV cache, lengths 1..table_width * block_size. */
+ * tables, slots and block ids inside the KV cache, lengths 1..table_width * block_size, LoRA
+ * slots -1..n_slots - 1 (token_slots may be NULL). */
 static int check_inputs(const mw_model* m, int64_t B, const int64_t* positions,
                         const int64_t* slots, const int64_t* seq_lens,
-                        const int64_t* block_tables, int64_t table_width) {
+                        const int64_t* block_tables, int64_t table_width,
+                        const int32_t* token_slots) {
     for (int64_t b = 0; b < B; b++) {
         if (positions[b] < 0 || positions[b] >= m->max_positions) return MW_BAD_POSITION;
         if (slots[b] < 0 || slots[b] >= m->n_blocks * m->block_size) return MW_BAD_SLOT;
+        if (token_slots && (token_slots[b] < -1 || token_slots[b] >= m->n_slots))
+            return MW_BAD_LORA_SLOT;
     }
     return mw_check_tables(block_tables, table_width, seq_lens, B, m->block_size, m->n_blocks);
 }
 
 /* x: [B, hidden], in: the token embeddings; out: the final-normed hidden states.
  * positions, slots, seq_lens: [B]; block_tables: [B, table_width];
- * rope_cos, rope_sin: [max_positions, head_dim / 2]. Returns MW_OK (B = 0 does nothing), or
- * an error of kernels.h: inputs that check_inputs refuses (x untouched), or out of memory. */
+ * rope_cos, rope_sin: [max_positions, head_dim / 2]; token_slots: [B] each token's LoRA slot
+ * (-1: none), or NULL: no LoRA this step. Returns MW_OK (B = 0 does nothing), or an error of
+ * kernels.h: inputs that check_inputs refuses (x and the caches untouched), or out of memory. */
 int mw_decode_step(const mw_model* m, float* x, int64_t B, const int64_t* positions,
                    const int64_t* slots, const int64_t* seq_lens, const int64_t* block_tables,
-                   int64_t table_width, const float* rope_cos, const float* rope_sin) {
+                   int64_t table_width, const float* rope_cos, const float* rope_sin,
+                   const int32_t* token_slots) {
     if (B <= 0) return MW_OK;
-    int rc = check_inputs(m, B, positions, slots, seq_lens, block_tables, table_width);
+    int rc = check_inputs(m, B, positions, slots, seq_lens, block_tables, table_width,
+                          token_slots);
     if (rc != MW_OK) return rc;
     const int64_t Hd = m->hidden, H = m->n_heads, Hkv = m->n_kv_heads, D = m->head_dim;
     const int64_t q_size = H * D, kv_size = Hkv * D;
@@ -283,14 +500,18 @@ int mw_decode_step(const mw_model* m, float* x, int64_t B, const int64_t* positi
     float* act = (float*)malloc(sizeof(float) * B * (inter > Hd ? inter : Hd));
     float* tmp = (float*)malloc(sizeof(float) * MW_MAX_ROWS * widest);
     float* qbuf = (float*)malloc(sizeof(float) * B * q_size);
-    if (!h || !big || !attn || !act || !tmp || !qbuf) {
+    mw_lora_step lora;
+    int lora_rc = lora_step_init(&lora, token_slots, B, m->max_rank, widest);
+    if (!h || !big || !attn || !act || !tmp || !qbuf || lora_rc != MW_OK) {
         free(h); free(big); free(attn); free(act); free(tmp); free(qbuf);
+        lora_step_free(&lora);
         return MW_OUT_OF_MEMORY;
     }
     for (int64_t l = 0; l < m->n_layers; l++) {
         const mw_layer* L = &m->layers[l];
         STAGE(0, for (int64_t b = 0; b < B; b++) rms_norm(x + b * Hd, L->in_norm, h + b * Hd, Hd, m->eps));
         STAGE(1, proj_apply(&L->qkv, h, B, big, qkv_size, tmp));  /* [B, q | k | v] */
+        STAGE(8, lora_apply(&L->lora_qkv, &lora, h, big, qkv_size));
         STAGE(2, rope_and_write(m, L, big, qbuf, B, positions, slots,
                                 L->rope_cos ? L->rope_cos : rope_cos,
                                 L->rope_sin ? L->rope_sin : rope_sin));
@@ -300,14 +521,17 @@ int mw_decode_step(const mw_model* m, float* x, int64_t B, const int64_t* positi
                                              m->scale, attn));
         if (rc != MW_OK) break;
         STAGE(4, proj_apply(&L->o, attn, B, act, Hd, tmp));
+        STAGE(8, lora_apply(&L->lora_o, &lora, attn, act, Hd));
         if (L->attn_out_norm)
             STAGE(0, for (int64_t b = 0; b < B; b++)
                          rms_norm(act + b * Hd, L->attn_out_norm, act + b * Hd, Hd, m->eps));
         STAGE(0, for (int64_t i = 0; i < B * Hd; i++) x[i] += act[i];
                  for (int64_t b = 0; b < B; b++) rms_norm(x + b * Hd, L->post_norm, h + b * Hd, Hd, m->eps));
         STAGE(5, proj_apply(&L->gate_up, h, B, big, 2 * inter, tmp));  /* [B, gate | up] */
+        STAGE(8, lora_apply(&L->lora_gate_up, &lora, h, big, 2 * inter));
         STAGE(6, gate_mul(big, act, B, inter, m->act));
         STAGE(7, proj_apply(&L->down, act, B, h, Hd, tmp));
+        STAGE(8, lora_apply(&L->lora_down, &lora, act, h, Hd));
         if (L->ffn_out_norm)
             STAGE(0, for (int64_t b = 0; b < B; b++)
                          rms_norm(h + b * Hd, L->ffn_out_norm, h + b * Hd, Hd, m->eps));
@@ -316,5 +540,6 @@ int mw_decode_step(const mw_model* m, float* x, int64_t B, const int64_t* positi
     if (rc == MW_OK)
         for (int64_t b = 0; b < B; b++) rms_norm(x + b * Hd, m->final_norm, x + b * Hd, Hd, m->eps);
     free(h); free(big); free(attn); free(act); free(tmp); free(qbuf);
+    lora_step_free(&lora);
     return rc;
 }

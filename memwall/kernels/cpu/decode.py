@@ -7,6 +7,10 @@ memwall/attention/kv_quant.py) and every projection is one the kernels can read 
 up to 3 q4/q8/f32 parts). Anything else (bf16, torch's int4/int8 ops, no C compiler) makes
 ``NativeDecoder.build`` return None and the model runs its torch path, which computes the same
 thing.
+
+LoRA: projections wrapped by ``memwall.lora.layers.apply_lora`` are described by their base,
+and their ``LoRASlots`` segments go to decode.c too, which adds each token's adapter delta
+after the projection (``step``'s ``token_slots``), as the wrapped modules do in torch.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch import nn
 from memwall.attention import kv_quant
 from memwall.kernels.cpu import build
 from memwall.kernels.cpu.layout import LayoutError, PackedWeight, describe
+from memwall.lora.layers import unwrap
 
 KINDS = {"f32": 1, "q4": 2, "q8": 3}  # MW_F32, MW_Q4, MW_Q8 in decode.c
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
@@ -34,18 +39,29 @@ class Proj(ctypes.Structure):
     _fields_ = [("nparts", _i64), ("parts", Part * 3)]
 
 
+class LoRASeg(ctypes.Structure):
+    _fields_ = [("col", _i64), ("n", _i64), ("k", _i64), ("a", _p), ("bt", _p), ("rank", _p)]
+
+
+class LoRAProj(ctypes.Structure):
+    _fields_ = [("nsegs", _i64), ("segs", LoRASeg * 3)]
+
+
 class Layer(ctypes.Structure):
     _fields_ = [("in_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p),
                 ("qkv", Proj), ("o", Proj), ("gate_up", Proj), ("down", Proj),
                 ("k_cache", _p), ("v_cache", _p), ("k_scale", _p), ("v_scale", _p),
-                ("attn_out_norm", _p), ("ffn_out_norm", _p), ("rope_cos", _p), ("rope_sin", _p)]
+                ("attn_out_norm", _p), ("ffn_out_norm", _p), ("rope_cos", _p), ("rope_sin", _p),
+                ("lora_qkv", LoRAProj), ("lora_o", LoRAProj), ("lora_gate_up", LoRAProj),
+                ("lora_down", LoRAProj)]
 
 
 class Model(ctypes.Structure):
     _fields_ = [("n_layers", _i64), ("hidden", _i64), ("n_heads", _i64), ("n_kv_heads", _i64),
                 ("head_dim", _i64), ("inter", _i64), ("block_size", _i64), ("n_blocks", _i64),
                 ("max_positions", _i64), ("kv_type", _i64), ("eps", _f32), ("scale", _f32),
-                ("layers", ctypes.POINTER(Layer)), ("final_norm", _p), ("act", _i64)]
+                ("layers", ctypes.POINTER(Layer)), ("final_norm", _p), ("act", _i64),
+                ("max_rank", _i64), ("n_slots", _i64)]
 
 
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # MW_ACT_* in decode.c
@@ -88,6 +104,32 @@ def _proj(module: nn.Module, keep: list) -> Proj:
     return proj
 
 
+def _lora(segments: list, proj: Proj, geometry: set, keep: list) -> LoRAProj:
+    """A projection's LoRA segments (memwall/lora/slots.py ``SlotSegment``) for decode.c, their
+    tensors appended to ``keep``; each segment's (max_loras, max_rank) is added to ``geometry``
+    (decode.c takes one for the whole model). Unsupported when they do not fit ``proj``."""
+    if len(segments) > 3:
+        raise Unsupported(f"{len(segments)} LoRA targets in one projection (decode.c takes 3)")
+    lora = LoRAProj(len(segments))
+    k = proj.parts[0].k
+    out = sum(proj.parts[i].n for i in range(proj.nparts))
+    end = 0
+    for i, seg in enumerate(sorted(segments, key=lambda seg: seg.col)):
+        slots, rank, n = seg.a.shape[0], seg.a.shape[1], seg.bt.shape[2]
+        if (seg.a.shape[2] != k or tuple(seg.bt.shape) != (slots, rank, n) or seg.col < end
+                or seg.col + n > out or tuple(seg.rank.shape) != (slots,)):
+            raise Unsupported(f"LoRA target {seg.target}: a {list(seg.a.shape)}, bt "
+                              f"{list(seg.bt.shape)} at column {seg.col} do not fit a "
+                              f"projection of {k} inputs and {out} outputs")
+        if seg.rank.dtype != torch.int32 or not seg.rank.is_contiguous() or seg.rank.device.type != "cpu":
+            raise Unsupported(f"LoRA ranks of {seg.rank.dtype} on {seg.rank.device}")
+        end = seg.col + n
+        geometry.add((slots, rank))
+        keep += [seg.a, seg.bt, seg.rank]  # the slots' own tensors: loading an adapter is seen
+        lora.segs[i] = LoRASeg(seg.col, n, k, _ptr(seg.a), _ptr(seg.bt), seg.rank.data_ptr())
+    return lora
+
+
 @dataclass
 class NativeDecoder:
     """One model + KV cache described to decode.c. ``keep`` holds every tensor whose address
@@ -128,6 +170,7 @@ class NativeDecoder:
             raise Unsupported(f"a KV cache of {kv_dtype}")
         layers = (Layer * len(inner.layers))()
         keep: list = []
+        geometry: set[tuple[int, int]] = set()  # LoRA (max_loras, max_rank) of every segment
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(inner.layers, kv_caches)):
             attn, mlp = layer.self_attn, layer.mlp
             if attn.qkv_proj is None or mlp.gate_up_proj is None:
@@ -149,7 +192,10 @@ class NativeDecoder:
                 entry.q_norm, entry.k_norm = _ptr(attn.q_norm.weight), _ptr(attn.k_norm.weight)
             for field, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj),
                                   ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
-                setattr(entry, field, _proj(module, keep))
+                base, segments = unwrap(module)  # a LoRAProjection: its base, its segments
+                proj = _proj(base, keep)
+                setattr(entry, field, proj)
+                setattr(entry, "lora_" + field, _lora(segments, proj, geometry, keep))
                 keep.append(module)  # owns the weights the parts point into
             if tuple(k_cache.shape) != cache_shape or tuple(v_cache.shape) != cache_shape:
                 raise Unsupported("KV caches of different shapes")
@@ -162,22 +208,28 @@ class NativeDecoder:
         eps = {layer.input_layernorm.eps for layer in inner.layers} | {inner.norm.eps}
         if len(eps) != 1:
             raise Unsupported("layers with different norm epsilons")
+        if len(geometry) > 1:
+            raise Unsupported(f"LoRA slots of different sizes {sorted(geometry)}")
+        n_slots, max_rank = geometry.pop() if geometry else (0, 0)
         model = Model(len(inner.layers), cfg.hidden_size, cfg.num_attention_heads,
                       cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
                       cache_shape[1], cache_shape[0], rope_cos.shape[0],
                       kv_quant.NATIVE_CODES[kv_dtype], eps.pop(),
                       inner.layers[0].self_attn.scale, layers, _ptr(inner.norm.weight),
-                      ACTIVATIONS[cfg.hidden_act])
+                      ACTIVATIONS[cfg.hidden_act], max_rank, n_slots)
         return cls(model, layers, kv_caches, rope_cos, rope_sin, keep)
 
     def step(self, embeddings: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-             seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+             seq_lens: torch.Tensor, block_tables: torch.Tensor,
+             token_slots: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step for B sequences -> final-normed hidden states [B, hidden].
 
         embeddings [B, hidden] float32 (overwritten: it becomes the result), positions, slots,
-        seq_lens int64 [B], block_tables int64 [B, width]. B may be 0 (returns [0, hidden]).
-        Inputs that point outside the model (a position past its rotary tables, a slot or
-        block outside the KV cache, a length the table cannot hold) raise ValueError."""
+        seq_lens int64 [B], block_tables int64 [B, width]; token_slots int32 [B], each
+        sequence's LoRA slot (-1: the base model), or None: no LoRA. B may be 0 (returns
+        [0, hidden]). Inputs that point outside the model (a position past its rotary tables,
+        a slot or block outside the KV cache, a length the table cannot hold, a LoRA slot
+        outside -1..max_loras - 1) raise ValueError, and the step changes nothing."""
         hidden = self.model.hidden
         if embeddings.dim() != 2 or embeddings.shape[1] != hidden or embeddings.dtype != torch.float32:
             raise ValueError(f"embeddings must be float32 [B, {hidden}], got {embeddings.dtype} "
@@ -188,19 +240,23 @@ class NativeDecoder:
             return x
         positions, slots = _indices(positions, "positions", b), _indices(slots, "slots", b)
         seq_lens, tables = _indices(seq_lens, "seq_lens", b), _indices(block_tables, "block_tables", b, 2)
+        if token_slots is not None:
+            token_slots = _indices(token_slots, "token_slots", b, dtype=torch.int32)
         rc = build.require().mw_decode_step(
             ctypes.byref(self.model), x.data_ptr(), b, positions.data_ptr(), slots.data_ptr(),
             seq_lens.data_ptr(), tables.data_ptr(), tables.shape[1], self.rope_cos.data_ptr(),
-            self.rope_sin.data_ptr())
+            self.rope_sin.data_ptr(), None if token_slots is None else token_slots.data_ptr())
         build.raise_for(rc, "the native decode step")
         return x
 
 
-def _indices(t: torch.Tensor, name: str, rows: int, dims: int = 1) -> torch.Tensor:
-    """``t`` as the contiguous int64 CPU tensor [rows, ...] the kernels read; ValueError else."""
-    if t.dtype != torch.int64 or t.device.type != "cpu" or t.dim() != dims or t.shape[0] != rows:
-        raise ValueError(f"{name} must be an int64 CPU tensor of {dims} dim(s) with {rows} rows, "
-                         f"got {t.dtype} {list(t.shape)} on {t.device}")
+def _indices(t: torch.Tensor, name: str, rows: int, dims: int = 1,
+             dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``t`` as the contiguous int64 (or ``dtype``) CPU tensor [rows, ...] the kernels read;
+    ValueError else."""
+    if t.dtype != dtype or t.device.type != "cpu" or t.dim() != dims or t.shape[0] != rows:
+        raise ValueError(f"{name} must be an {str(dtype).removeprefix('torch.')} CPU tensor of "
+                         f"{dims} dim(s) with {rows} rows, got {t.dtype} {list(t.shape)} on {t.device}")
     return t.contiguous()
 
 

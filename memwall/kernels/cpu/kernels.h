@@ -38,6 +38,7 @@ enum {
     MW_BAD_BLOCK = -3,      /* a block id a sequence reads outside 0..num_blocks - 1 */
     MW_BAD_POSITION = -4,   /* a position outside the rotary table */
     MW_BAD_SLOT = -5,       /* a cache slot outside 0..num_blocks * block_size - 1 */
+    MW_BAD_LORA_SLOT = -6,  /* a token's LoRA slot outside -1..n_slots - 1 (decode.c) */
 };
 
 /* quant_gemm.c: y [M, N] = x [M, K] @ W^T with W = s * q + c per block of K (row-major).

@@ -33,9 +33,10 @@ class LiveServer:
     @classmethod
     def start(cls, model_dir, api_key: str | None = None, max_queue: int | None = None,
               served_model_names: list[str] | None = None, core_process: bool = False,
-              tools=None, **engine_args) -> "LiveServer":
+              tools=None, lora_modules=None, **engine_args) -> "LiveServer":
         """``core_process``: the engine core in a process of its own, as under ``memwall serve``
-        (default: in this process, so tests can reach into it)."""
+        (default: in this process, so tests can reach into it). ``lora_modules``: LoRAModulePath
+        entries (--lora-modules; needs enable_lora=True)."""
         from memwall.config import EngineArgs
         from memwall.entrypoints.openai.server import (ServerSettings, build_app, build_engine,
                                                        server_socket, uvicorn_server)
@@ -44,7 +45,8 @@ class LiveServer:
         args = EngineArgs(model=model, **{**ENGINE_ARGS, **engine_args})
         engine = build_engine(args, core_process)
         settings = ServerSettings(served_model_names=served_model_names or [], api_key=api_key,
-                                  max_queue=max_queue, **({"tools": tools} if tools else {}))
+                                  max_queue=max_queue, **({"tools": tools} if tools else {}),
+                                  lora_modules=list(lora_modules or []))
         server = uvicorn_server(build_app(engine, settings), log_level="warning")
         sock = server_socket("127.0.0.1", 0)
         port = sock.getsockname()[1]

@@ -42,7 +42,7 @@ class FakeEngine:
         return EngineStats(num_running=len(self.requests), num_total_blocks=self.num_total_blocks,
                            num_free_blocks=self.num_total_blocks - len(self.requests))
 
-    def add_request(self, request_id, prompt, params):
+    def add_request(self, request_id, prompt, params, lora_request=None):
         self.threads.add(threading.get_ident())
         if prompt == "too long":
             raise InvalidRequestError("prompt too long", "prompt", "context_length_exceeded")
