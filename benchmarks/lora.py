@@ -19,7 +19,10 @@ A and B (the base's shapes; PEFT's default targets q_proj and v_proj unless --ta
   ``--pool-prompts`` system prompts, so the cache policy decides which prefixes survive.
   The same request trace runs under ``lora_cache_policy="adapter-aware"`` (content-hash keys,
   eviction weighed by each adapter's request rate) and ``"vllm"`` (name keys, LRU evictions).
-  TTFT p50 (and p25/p75/p90), prefix-cache hit rate, adapter loads.
+  TTFT p50 (and p25/p75/p90), prefix-cache hit rate, adapter loads. Both get the same memory:
+  vllm a KV pool of that size beside its host cache of 8 adapters, adapter-aware one pool of
+  the KV blocks plus the bytes of those 8 adapters, holding weights and KV alike (the unified
+  pool), from which it drops idle adapters or least-used KV blocks, whichever is worth less.
 
 Writes benchmarks/results/lora-<time>.json with the CPU model.
 """
@@ -187,6 +190,7 @@ def replay(llm, trace, loras, max_tokens: int) -> dict:
 
 def churn(args, model: str, arch, root: Path) -> dict:
     from memwall.lora import LoRARequest
+    from memwall.lora.slots import target_shapes
 
     folders = [write_adapter(root / f"churn{i}", arch, args.rank, args.targets, seed=100 + i)
                for i in range(args.churn_adapters)]
@@ -194,7 +198,16 @@ def churn(args, model: str, arch, root: Path) -> dict:
     block = 16
     prompt_blocks = -(-(args.system_tokens + args.question_tokens) // block)
     num_blocks = int(args.pool_prompts * prompt_blocks)
+    # Equal memory: vllm keeps its 8 host-cached adapters beside a KV pool of num_blocks; the
+    # unified pool gets the same bytes as blocks (fp16 KV, the CPU default) and shares them.
+    block_bytes = block * 2 * arch.num_key_value_heads * arch.head_dim * 2 * arch.num_hidden_layers
+    adapter_bytes = 4 * args.rank * arch.num_hidden_layers * sum(
+        k + n for t, (k, n) in target_shapes(arch).items() if t in args.targets)
+    adapter_blocks = -(-adapter_bytes // block_bytes)
+    pools = {"adapter-aware": num_blocks + 8 * adapter_blocks, "vllm": num_blocks}
     result = {"adapters": args.churn_adapters, "max_loras": 4, "max_cpu_loras": 8, "max_num_seqs": args.churn_seqs,
+              "adapter_mb": adapter_bytes / 2**20, "adapter_blocks": adapter_blocks,
+              "kv_blocks_per_policy": pools,
               "zipf": args.zipf, "rate_req_s": args.rate, "requests": args.churn_requests,
               "system_tokens": args.system_tokens, "question_tokens": args.question_tokens,
               "kv_blocks": num_blocks, "block_size": block, "runs": {}}
@@ -203,7 +216,7 @@ def churn(args, model: str, arch, root: Path) -> dict:
     for run in range(args.runs):
         for policy in ("adapter-aware", "vllm"):
             llm = _engine(model, args.threads, max_num_seqs=args.churn_seqs, enable_lora=True, max_loras=4,
-                          max_lora_rank=args.rank, max_cpu_loras=8, num_kv_blocks=num_blocks,
+                          max_lora_rank=args.rank, max_cpu_loras=8, num_kv_blocks=pools[policy],
                           block_size=block, lora_cache_policy=policy)
             loras = [LoRARequest(f"a{i}", i + 1, str(f)) for i, f in enumerate(folders)]
             r = replay(llm, trace, loras, args.churn_max_tokens)
@@ -276,7 +289,8 @@ def print_table(out: dict) -> None:
     if "churn" in out:
         c = out["churn"]
         print(f"\nchurn: {c['adapters']} adapters, Zipf {c['zipf']}, {c['rate_req_s']} req/s, "
-              f"KV pool {c['kv_blocks']} blocks")
+              f"pools (blocks of 16) {c['kv_blocks_per_policy']}, an adapter "
+              f"{c['adapter_mb']:.1f} MB = {c['adapter_blocks']} blocks")
         print("| policy | TTFT p50 ms (median of runs) | p25 | p75 | hit rate | adapter loads |\n"
               "|---|---|---|---|---|---|")
         for policy, runs in c["runs"].items():

@@ -34,6 +34,8 @@ from memwall.structured.manager import PendingGrammar, StructuredOutputManager
 # With nothing to run but grammars compiling, a step waits this long for one to finish
 # (instead of returning at once and being called again in a busy loop).
 COMPILE_WAIT_S = 0.05
+DEFAULT_PREFILL_TOK_S = 1000.0
+"""Prefill speed assumed where the step shape was not measured (what a KV block costs to redo)."""
 
 
 @dataclass
@@ -99,6 +101,10 @@ class EngineCore:
                      if args.enable_lora else None)
         if self.lora is not None and self.lora.cache_policy == "adapter-aware":
             self.kv.pool.evict_value = self.lora.kv_value
+            prefill = shape.prefill_tokens_per_s if shape is not None else DEFAULT_PREFILL_TOK_S
+            self.kv.pool.block_cost_s = plan.block_size / prefill
+            self.lora.attach_pool(self.kv.pool, self.executor.park_lora, self._adapters_in_use,
+                                  self.kv.pool.block_cost_s)
         self._preparing: list[_Preparing] = []
         self._unloading: set[int] = set()
         """Adapters unloaded by the API while requests still use them: dropped when they end."""

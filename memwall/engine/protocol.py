@@ -138,6 +138,8 @@ class LoRAStatsSnapshot:
     cached_blocks_not_resident: int = 0
     """... of which the adapter is not in the host caches (reusable only after a reload)."""
     adapters: tuple[AdapterCounters, ...] = ()
+    parked_blocks: int = 0
+    """KV blocks holding adapters' weights (the unified pool)."""
 
     @property
     def not_resident_share(self) -> float:

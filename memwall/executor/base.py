@@ -47,6 +47,10 @@ class Executor(ABC):
     def remove_lora(self, lora_int_id: int) -> None:
         """Drops an adapter from every worker."""
 
+    def park_lora(self, lora_int_id: int, block_ids: list[int]) -> None:
+        """Moves a loaded adapter's weights into these KV blocks on every worker."""
+        raise NotImplementedError(f"{type(self).__name__} does not park LoRA adapters")
+
     def describe(self) -> str:
         return ""
 

@@ -35,5 +35,8 @@ class UniProcExecutor(Executor):
     def remove_lora(self, lora_int_id: int) -> None:
         self.worker.remove_lora(lora_int_id)
 
+    def park_lora(self, lora_int_id: int, block_ids: list[int]) -> None:
+        self.worker.park_lora(lora_int_id, block_ids)
+
     def describe(self) -> str:
         return self.worker.describe()

@@ -9,6 +9,12 @@ behaviour, kept for comparison: it serves stale KV after such a reload).
 
     add_request(lora=r) -> submit(r) -> PendingAdapter (thread: executor.add_lora(r))
                            ready -> info (content hash, rank) -> cache_key(r) -> scheduler
+
+With the adapter-aware policy adapters and KV blocks share one pool (``attach_pool``, S-LoRA's
+unified paging with FastLibra's cost model): a loaded adapter is parked in KV blocks of its own
+(at most half the pool), and when blocks run short the pool drops whichever is worth less per
+block, an idle adapter (request rate x load time / blocks) or a cached KV block (decayed use
+count x the time to prefill it again), before anyone is preempted.
 """
 
 from __future__ import annotations
@@ -43,6 +49,10 @@ class LoRAStats:
     evictions: int = 0
     """Adapters dropped from the host caches to make room."""
     per_adapter: dict[str, AdapterStats] = field(default_factory=dict)
+
+
+PARKED_SHARE = 0.5
+"""Most of the KV pool that parked adapters may hold (more stay in host memory)."""
 
 
 class PendingAdapter:
@@ -89,6 +99,24 @@ class LoRARegistry:
         """prefix-cache namespace -> lora id (0: the base model)."""
         self.unloaded: set[int] = set()
         """Adapters the API side unloaded: their cached KV can never be used again."""
+        # The unified pool (attach_pool): loaded adapters hold KV blocks of the engine's pool.
+        self.pool = None
+        self._park: Callable | None = None
+        self._in_use: Callable[[], set[int]] = set
+        self.block_cost_s = 0.0
+        self.blocks_of: dict[int, list[int]] = {}
+        """lora id -> the KV blocks its weights are parked in."""
+
+    def attach_pool(self, pool, park: Callable, in_use: Callable[[], set[int]],
+                    block_cost_s: float) -> None:
+        """Adapters and KV blocks share ``pool`` (a BlockPool): a loaded adapter is parked in
+        blocks of its own (``park(lora_id, block_ids)`` on the workers), and the pool drops an
+        idle adapter instead of a cached KV block when the adapter is worth less per block:
+        its request rate x its load time / its blocks, against the block's use count x
+        ``block_cost_s`` (the seconds to prefill one block again)."""
+        self.pool, self._park, self._in_use = pool, park, in_use
+        self.block_cost_s = block_cost_s
+        pool.reclaim = self.reclaim
 
     # ---- loading ---------------------------------------------------------------------------
     def submit(self, lora: LoRARequest, in_use: set[int]) -> PendingAdapter:
@@ -116,6 +144,10 @@ class LoRARegistry:
                 self.take(pending)
             except Exception:  # noqa: BLE001 - a waiting request still reads the error itself
                 self._pending.pop(pending.lora.lora_int_id, None)
+        for lora_int_id, info in self.loaded.items():  # parked later, once the pool can spare
+            if self.pool is not None and lora_int_id not in self.blocks_of:
+                self._try_park(lora_int_id, info)
+                break
         for pending in [p for p in self._pending.values() if p.future is None]:
             if pending.lora.lora_int_id not in in_use:  # every request for it was aborted
                 del self._pending[pending.lora.lora_int_id]
@@ -135,7 +167,41 @@ class LoRARegistry:
             self.loaded[lora.lora_int_id] = info
             self.stats.loads += 1
             self._stats(lora).loads += 1
+        self._try_park(lora.lora_int_id, info)
         return info
+
+    def _try_park(self, lora_int_id: int, info) -> None:
+        """Gives a loaded adapter its KV blocks (evicting what the pool values least); while
+        the pool cannot spare them it stays in host memory and is parked later (pump)."""
+        if self.pool is None or not info.park_blocks or lora_int_id in self.blocks_of:
+            return
+        n = info.park_blocks
+        parked = sum(len(b) for b in self.blocks_of.values())
+        if parked + n > self.pool.num_blocks * PARKED_SHARE:
+            return  # sequences keep most of the pool: adapters in use can never starve them
+        while self.pool.num_free_blocks < n and self.reclaim(None, keep={lora_int_id}):
+            pass
+        if self.pool.num_free_blocks < n:
+            return
+        blocks = self.pool.allocate(n)
+        self.blocks_of[lora_int_id] = blocks
+        self._park(lora_int_id, blocks)
+
+    def reclaim(self, kv_keep_value: float | None, keep: set[int] = frozenset()) -> bool:
+        """Drops the parked adapter no live request uses that is worth least per block, if it
+        is worth less than ``kv_keep_value`` (None: any); True if one was dropped."""
+        in_use = self._in_use() | set(keep)
+        idle = [i for i in self.blocks_of if i not in in_use]
+        if not idle:
+            return False
+        value = {i: self.rate_of(i) * self.loaded[i].load_s / len(self.blocks_of[i])
+                 for i in idle}
+        victim = min(idle, key=value.__getitem__)
+        if kv_keep_value is not None and value[victim] >= kv_keep_value:
+            return False
+        self.unload(victim)
+        self.stats.evictions += 1
+        return True
 
     def _evict_one(self, keep: set[int]) -> bool:
         candidates = [i for i in self.loaded if i not in keep]
@@ -156,6 +222,9 @@ class LoRARegistry:
             self.unloaded.add(lora_int_id)
         if self.loaded.pop(lora_int_id, None) is not None:
             self._remove(lora_int_id)
+        blocks = self.blocks_of.pop(lora_int_id, None)
+        if blocks is not None:
+            self.pool.release(blocks)
 
     def snapshot(self, per_namespace: dict, cached_per_owner) -> "LoRAStatsSnapshot":
         """Counters for EngineStats: per adapter (by name) requests, loads and prefix-cache
@@ -178,7 +247,8 @@ class LoRARegistry:
         adapters = tuple(AdapterCounters(name, s.requests, s.loads, *prefix.get(name, (0, 0)))
                          for name, s in sorted(self.stats.per_adapter.items()))
         return LoRAStatsSnapshot(self.stats.loads, self.stats.evictions, len(self.loaded),
-                                 cached, not_resident, adapters)
+                                 cached, not_resident, adapters,
+                                 sum(len(b) for b in self.blocks_of.values()))
 
     def is_resident(self, lora_int_id: int) -> bool:
         return lora_int_id in self.loaded
@@ -201,7 +271,7 @@ class LoRARegistry:
         return self.rate_of(lora_id)
 
     # ---- how valuable an adapter's weights and KV are ---------------------------------------
-    HALF_LIFE_S = 30.0
+    HALF_LIFE_S = 60.0  # as the KV pool's block use counts (memwall/core/kv/block_pool.py)
 
     def observe(self, lora_int_id: int) -> None:
         self._decay()

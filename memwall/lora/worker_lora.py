@@ -7,16 +7,24 @@ from the host cache on demand and reused least recently used first.
 
 The scheduler never puts more than ``max_loras`` adapters in one step, so a step's adapters
 always fit the slots; the slots the step does not use are the ones replaced.
+
+The unified pool (``lora_cache_policy="adapter-aware"``): the engine core gives a loaded
+adapter KV blocks of its own and the worker parks the weights there (``park``), as S-LoRA's
+unified paging does: adapters and KV share one memory budget, and the core's pool decides
+which of them to drop. A slot load reads a parked adapter back from its blocks.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import torch
+
 from memwall.config import ModelArchConfig
-from memwall.lora.adapter import LoRAAdapter, LoRAError
+from memwall.lora.adapter import LoRAAdapter, LoRAError, LoRAWeights
 from memwall.lora.peft import load_adapter
 from memwall.lora.request import LoRARequest
 from memwall.lora.slots import LoRASlots
@@ -30,6 +38,24 @@ class AdapterInfo:
     content_hash: str
     rank: int
     nbytes: int
+    park_blocks: int = 0
+    """KV blocks its weights fill when parked in the KV cache (0: the worker cannot park)."""
+    load_s: float = 0.0
+    """Seconds its load from disk took (what dropping it from the host cache costs again)."""
+
+
+@dataclass
+class ParkedAdapter:
+    """An adapter whose weights live in KV-cache blocks (the unified pool): its A and B of every
+    module, in order, as float32 bytes written across the blocks' per-layer K and V slabs."""
+
+    name: str
+    path: str
+    content_hash: str
+    rank: int
+    shapes: list[tuple[str, tuple[int, int], tuple[int, int]]]
+    """(module, A shape, B shape), in storage order."""
+    block_ids: list[int]
 
 
 class WorkerLoRA:
@@ -42,14 +68,83 @@ class WorkerLoRA:
         self.slot_of: OrderedDict[int, int] = OrderedDict()
         """lora id -> slot, least recently used first."""
         self.num_slot_loads = 0
+        self.kv_caches: list = []
+        """The KV cache tensors adapters may be parked in (set once the cache exists)."""
 
     def add(self, lora: LoRARequest) -> AdapterInfo:
         """Reads and checks the adapter (LoRAError says what is wrong) into the host cache."""
+        start = time.perf_counter()
         adapter = load_adapter(lora.lora_path, lora.lora_name, self.base_config)
         self.slots.check(adapter)
         with self._lock:
             self.host[lora.lora_int_id] = adapter
-        return AdapterInfo(lora.lora_int_id, adapter.content_hash, adapter.rank, adapter.nbytes)
+        slab = self._slab_bytes()
+        blocks = -(-adapter.nbytes // slab) if slab else 0
+        return AdapterInfo(lora.lora_int_id, adapter.content_hash, adapter.rank, adapter.nbytes,
+                           blocks, time.perf_counter() - start)
+
+    # ---- the unified pool: adapters parked in KV blocks -------------------------------------
+    def _slab_bytes(self) -> int:
+        """Bytes one KV block holds over all layers' K and V (scales not counted)."""
+        if not self.kv_caches:
+            return 0
+        k, v = self.kv_caches[0]
+        per_layer = k[0].numel() * k.element_size() + v[0].numel() * v.element_size()
+        return per_layer * len(self.kv_caches)
+
+    def _slabs(self, block_ids: list[int]):
+        for block in block_ids:
+            for k, v in self.kv_caches:
+                for cache in (k, v):
+                    yield cache[block].reshape(-1).view(torch.uint8)
+
+    def park(self, lora_int_id: int, block_ids: list[int]) -> None:
+        """Moves a host-cached adapter's weights into these KV blocks (given to it by the
+        engine core's pool; no sequence reads or writes them while it holds them)."""
+        with self._lock:
+            adapter = self.host[lora_int_id]
+        if isinstance(adapter, ParkedAdapter):
+            return
+        parts = []
+        shapes = []
+        for module, w in sorted(adapter.modules.items()):
+            parts += [w.a.reshape(-1), w.b.reshape(-1)]
+            shapes.append((module, tuple(w.a.shape), tuple(w.b.shape)))
+        data = torch.cat(parts).view(torch.uint8)
+        offset = 0
+        for slab in self._slabs(block_ids):
+            if offset >= data.numel():
+                break
+            count = min(slab.numel(), data.numel() - offset)
+            slab[:count].copy_(data[offset:offset + count])
+            offset += count
+        if offset < data.numel():
+            raise ValueError(f"{len(block_ids)} KV blocks hold {offset} of the adapter's "
+                             f"{data.numel()} bytes")
+        parked = ParkedAdapter(adapter.name, adapter.path, adapter.content_hash, adapter.rank,
+                               shapes, list(block_ids))
+        with self._lock:
+            self.host[lora_int_id] = parked
+
+    def _unpark(self, parked: ParkedAdapter) -> LoRAAdapter:
+        """The adapter read back from its KV blocks (exactly the bytes parked)."""
+        total = sum(4 * (a[0] * a[1] + b[0] * b[1]) for _, a, b in parked.shapes)
+        data = torch.empty(total, dtype=torch.uint8)
+        offset = 0
+        for slab in self._slabs(parked.block_ids):
+            if offset >= total:
+                break
+            count = min(slab.numel(), total - offset)
+            data[offset:offset + count].copy_(slab[:count])
+            offset += count
+        values = data.view(torch.float32)
+        modules, at = {}, 0
+        for module, a_shape, b_shape in parked.shapes:
+            a_size, b_size = a_shape[0] * a_shape[1], b_shape[0] * b_shape[1]
+            modules[module] = LoRAWeights(values[at:at + a_size].view(a_shape),
+                                          values[at + a_size:at + a_size + b_size].view(b_shape))
+            at += a_size + b_size
+        return LoRAAdapter(parked.name, parked.path, parked.content_hash, parked.rank, modules)
 
     def remove(self, lora_int_id: int) -> None:
         with self._lock:
@@ -78,6 +173,8 @@ class WorkerLoRA:
             adapter = self.host.get(lora_id)
         if adapter is None:
             raise LoRAError(f"adapter id {lora_id} is not loaded on this worker")
+        if isinstance(adapter, ParkedAdapter):
+            adapter = self._unpark(adapter)
         taken = set(self.slot_of.values())
         free = [s for s in range(self.slots.max_loras) if s not in taken]
         if free:

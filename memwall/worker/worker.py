@@ -121,6 +121,8 @@ class Worker:
         self.runner = ModelRunner(self.model, self.loaded.arch, plan, kv_cache_dtype(dev),
                                   self.args.seed, dev, max_num_seqs, max_model_len,
                                   self.args.speculative(), self.draft, self.lora)
+        if self.lora is not None:
+            self.lora.kv_caches = self.runner.kv_caches
 
     def _make_lora(self) -> "WorkerLoRA | None":
         """With --enable-lora: slots for max_loras adapters, the model's projections wrapped
@@ -145,6 +147,9 @@ class Worker:
     def remove_lora(self, lora_int_id: int) -> None:
         if self.lora is not None:
             self.lora.remove(lora_int_id)
+
+    def park_lora(self, lora_int_id: int, block_ids: list[int]) -> None:
+        self.lora.park(lora_int_id, block_ids)
 
     def measure_step_shape(self, max_num_seqs: int, block_size: int) -> StepShape | None:
         """The CPU step budget from this machine's measured kernel speed (step_shape.py); None

@@ -85,6 +85,12 @@ class BlockPool:
         self._heap_seq = itertools.count()
         self._heap_entry = [-1] * num_blocks
         self._clock0 = time.monotonic()
+        self.reclaim: Callable[[float | None], bool] | None = None
+        """The unified pool (memwall/lora/registry.py): given what the next cached block to
+        evict is worth keeping (its decayed use count x ``block_cost_s``; None: a block must be
+        found), drops an idle LoRA adapter parked in blocks of this pool if it is worth less,
+        releasing its blocks; True if it did."""
+        self.block_cost_s = 0.0
 
     @property
     def num_free_blocks(self) -> int:
@@ -117,10 +123,15 @@ class BlockPool:
         if dead is not None:
             return next(iter(self._free_cached[dead]))
         while True:  # the least used free cached block (stale heap entries skipped)
-            _, _, seq, block_id = self._heap[0]
+            score, _, seq, block_id = self._heap[0]
             if self._heap_entry[block_id] == seq and self.ref_counts[block_id] == 0:
-                return block_id
+                break
             heapq.heappop(self._heap)
+        if self.reclaim is not None:  # or an idle adapter, if it is worth less per block
+            now = (time.monotonic() - self._clock0) / HALF_LIFE_S
+            if self.reclaim(2.0 ** (score - now) * self.block_cost_s) and self._free_plain:
+                return next(iter(self._free_plain))
+        return block_id
 
     def _compact_heap(self) -> None:
         """Drops the entries of blocks taken back since they were freed."""

@@ -123,7 +123,11 @@ class KVCacheManager:
         new = max(0, blocks_needed(num_tokens, self.block_size) - len(table) - len(cached_blocks))
         cow_index = self._shared_block_to_write(table, request.num_computed_tokens, num_tokens)
         revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
-        if new + revived + (cow_index is not None) > self.pool.num_free_blocks:
+        need = new + revived + (cow_index is not None)
+        while need > self.pool.num_free_blocks and self.pool.reclaim is not None \
+                and self.pool.reclaim(None):
+            pass  # idle LoRA adapters parked in the pool make room before anyone is preempted
+        if need > self.pool.num_free_blocks:
             return False
         self.pool.touch(list(cached_blocks))
         table = self.block_tables.setdefault(rid, [])

@@ -80,7 +80,8 @@ class LiveServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             stats = self.engine.stats
-            if stats.num_free_blocks == stats.num_total_blocks and not stats.num_running:
+            parked = stats.lora.parked_blocks if stats.lora is not None else 0  # adapters' weights
+            if stats.num_free_blocks + parked == stats.num_total_blocks and not stats.num_running:
                 return
             time.sleep(0.01)
         raise AssertionError(f"engine did not become idle: {self.engine.stats}")
