@@ -103,8 +103,7 @@ class EngineCore:
             self.kv.pool.evict_value = self.lora.kv_value
             prefill = shape.prefill_tokens_per_s if shape is not None else DEFAULT_PREFILL_TOK_S
             self.kv.pool.block_cost_s = plan.block_size / prefill
-            self.lora.attach_pool(self.kv.pool, self.executor.park_lora, self._adapters_in_use,
-                                  self.kv.pool.block_cost_s)
+            self.lora.attach_pool(self.kv.pool, self.executor.park_lora, self._adapters_in_use)
         self._preparing: list[_Preparing] = []
         self._unloading: set[int] = set()
         """Adapters unloaded by the API while requests still use them: dropped when they end."""

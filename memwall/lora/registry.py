@@ -19,7 +19,6 @@ count x the time to prefill it again), before anyone is preempted.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,16 +28,11 @@ from typing import Callable
 from memwall.engine.protocol import AdapterCounters, LoRAStatsSnapshot
 from memwall.lora.request import LoRARequest
 
-logger = logging.getLogger("memwall")
-
-
 @dataclass
 class AdapterStats:
-    """Per adapter, for metrics: prompt tokens looked up / found in the prefix cache."""
+    """Per adapter, for metrics (its prefix-cache counts come from the KV manager's)."""
 
     loads: int = 0
-    queries: int = 0
-    hits: int = 0
     requests: int = 0
 
 
@@ -103,19 +97,16 @@ class LoRARegistry:
         self.pool = None
         self._park: Callable | None = None
         self._in_use: Callable[[], set[int]] = set
-        self.block_cost_s = 0.0
         self.blocks_of: dict[int, list[int]] = {}
         """lora id -> the KV blocks its weights are parked in."""
 
-    def attach_pool(self, pool, park: Callable, in_use: Callable[[], set[int]],
-                    block_cost_s: float) -> None:
+    def attach_pool(self, pool, park: Callable, in_use: Callable[[], set[int]]) -> None:
         """Adapters and KV blocks share ``pool`` (a BlockPool): a loaded adapter is parked in
         blocks of its own (``park(lora_id, block_ids)`` on the workers), and the pool drops an
         idle adapter instead of a cached KV block when the adapter is worth less per block:
-        its request rate x its load time / its blocks, against the block's use count x
-        ``block_cost_s`` (the seconds to prefill one block again)."""
+        its request rate x its load time / its blocks, against the block's use count x the
+        pool's ``block_cost_s`` (the seconds to prefill one block again)."""
         self.pool, self._park, self._in_use = pool, park, in_use
-        self.block_cost_s = block_cost_s
         pool.reclaim = self.reclaim
 
     # ---- loading ---------------------------------------------------------------------------

@@ -55,6 +55,13 @@ def target_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
             "down_proj": (inter, hidden)}
 
 
+def base_config(arch: ModelArchConfig) -> dict:
+    """The HF-style head counts a GGUF LoRA needs to undo llama.cpp's q/k row permutation
+    (``load_adapter``'s ``base_config``)."""
+    return {"num_attention_heads": arch.num_attention_heads,
+            "num_key_value_heads": arch.num_key_value_heads}
+
+
 class LoRASlots:
     def __init__(self, arch: ModelArchConfig, max_loras: int, max_rank: int) -> None:
         if max_loras < 1 or max_rank < 1:
@@ -78,10 +85,6 @@ class LoRASlots:
         """This step's slot per token (int32 [T], -1 none), or None: no token uses an adapter."""
         self.groups: list[tuple[int, torch.Tensor]] = []
         """This step's (slot, token indexes) per slot in use."""
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.a.numel() * 4 + s.bt.numel() * 4 for segs in self.layers for s in segs.values())
 
     def segments(self, layer: int, projection: str) -> list[SlotSegment]:
         """The segments of decode.c's projection ``qkv``, ``o``, ``gate_up`` or ``down``."""

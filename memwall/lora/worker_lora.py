@@ -92,11 +92,23 @@ class WorkerLoRA:
         per_layer = k[0].numel() * k.element_size() + v[0].numel() * v.element_size()
         return per_layer * len(self.kv_caches)
 
-    def _slabs(self, block_ids: list[int]):
+    def _copy_slabs(self, block_ids: list[int], data: torch.Tensor, into_blocks: bool) -> int:
+        """Copies the bytes ``data`` into (or out of) the blocks' K and V slabs, block by block
+        and layer by layer; returns how many bytes the blocks held of it."""
+        offset = 0
         for block in block_ids:
             for k, v in self.kv_caches:
                 for cache in (k, v):
-                    yield cache[block].reshape(-1).view(torch.uint8)
+                    if offset >= data.numel():
+                        return offset
+                    slab = cache[block].reshape(-1).view(torch.uint8)
+                    count = min(slab.numel(), data.numel() - offset)
+                    if into_blocks:
+                        slab[:count].copy_(data[offset:offset + count])
+                    else:
+                        data[offset:offset + count].copy_(slab[:count])
+                    offset += count
+        return offset
 
     def park(self, lora_int_id: int, block_ids: list[int]) -> None:
         """Moves a host-cached adapter's weights into these KV blocks (given to it by the
@@ -111,13 +123,7 @@ class WorkerLoRA:
             parts += [w.a.reshape(-1), w.b.reshape(-1)]
             shapes.append((module, tuple(w.a.shape), tuple(w.b.shape)))
         data = torch.cat(parts).view(torch.uint8)
-        offset = 0
-        for slab in self._slabs(block_ids):
-            if offset >= data.numel():
-                break
-            count = min(slab.numel(), data.numel() - offset)
-            slab[:count].copy_(data[offset:offset + count])
-            offset += count
+        offset = self._copy_slabs(block_ids, data, into_blocks=True)
         if offset < data.numel():
             raise ValueError(f"{len(block_ids)} KV blocks hold {offset} of the adapter's "
                              f"{data.numel()} bytes")
@@ -130,13 +136,7 @@ class WorkerLoRA:
         """The adapter read back from its KV blocks (exactly the bytes parked)."""
         total = sum(4 * (a[0] * a[1] + b[0] * b[1]) for _, a, b in parked.shapes)
         data = torch.empty(total, dtype=torch.uint8)
-        offset = 0
-        for slab in self._slabs(parked.block_ids):
-            if offset >= total:
-                break
-            count = min(slab.numel(), total - offset)
-            data[offset:offset + count].copy_(slab[:count])
-            offset += count
+        self._copy_slabs(parked.block_ids, data, into_blocks=False)
         values = data.view(torch.float32)
         modules, at = {}, 0
         for module, a_shape, b_shape in parked.shapes:

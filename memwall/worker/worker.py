@@ -130,12 +130,13 @@ class Worker:
         if not self.args.enable_lora:
             return None
         from memwall.lora.layers import apply_lora
+        from memwall.lora.slots import base_config
         from memwall.lora.worker_lora import WorkerLoRA
 
         if self.device_config.is_cuda:
             raise ValueError("LoRA serving runs on the CPU backend for now (--device cpu)")
         lora = WorkerLoRA(self.loaded.arch, self.args.max_loras, self.args.max_lora_rank,
-                          _head_counts(self.loaded.arch))
+                          base_config(self.loaded.arch))
         apply_lora(self.model, lora.slots)
         return lora
 
@@ -170,12 +171,6 @@ class Worker:
         if self.gpu_memory is not None:
             parts.append(self.gpu_memory.describe())
         return "; ".join(p for p in parts if p)
-
-
-def _head_counts(arch: ModelArchConfig) -> dict:
-    """What a GGUF LoRA needs to undo llama.cpp's q/k row permutation."""
-    return {"num_attention_heads": arch.num_attention_heads,
-            "num_key_value_heads": arch.num_key_value_heads}
 
 
 def default_threads() -> int:

@@ -49,3 +49,14 @@ def test_mixed_batch_equals_each_alone(tiny_model_dir, peft_adapters):
     for prompt, lora, out in zip(prompts, per_prompt, together):
         alone = _llm(base).generate([prompt], greedy, lora_request=lora)[0]
         assert out.outputs[0].token_ids == alone.outputs[0].token_ids, (prompt, lora)
+
+
+def test_prompt_longer_than_the_step_budget_through_an_adapter(tiny_model_dir, peft_adapters):
+    """Chunked prefill across blocks and steps (budget 16 tokens, blocks of 4, a 43-token
+    prompt) with the native kernels on, then fused decodes: still HF + PEFT's tokens."""
+    base, path = tiny_model_dir("llama"), peft_adapters("llama")["all8"]
+    prompt = [0] + [3 + (7 * i) % 200 for i in range(42)]
+    llm = _llm(base, max_num_batched_tokens=16)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    out = llm.generate([prompt], greedy, lora_request=LoRARequest("all8", 1, str(path)))[0]
+    assert out.outputs[0].token_ids == peft_greedy(base, path, prompt, MAX_TOKENS)

@@ -128,8 +128,7 @@ class BlockPool:
                 break
             heapq.heappop(self._heap)
         if self.reclaim is not None:  # or an idle adapter, if it is worth less per block
-            now = (time.monotonic() - self._clock0) / HALF_LIFE_S
-            if self.reclaim(2.0 ** (score - now) * self.block_cost_s) and self._free_plain:
+            if self.reclaim(2.0 ** (score - self._now()) * self.block_cost_s) and self._free_plain:
                 return next(iter(self._free_plain))
         return block_id
 
@@ -139,10 +138,13 @@ class BlockPool:
                       if self._heap_entry[e[3]] == e[2] and self.ref_counts[e[3]] == 0]
         heapq.heapify(self._heap)
 
+    def _now(self) -> float:
+        """The use counts' clock, in half-lives."""
+        return (time.monotonic() - self._clock0) / HALF_LIFE_S
+
     def _use(self, block_id: int) -> None:
         """One more use of a cached block (adapter-aware eviction's count)."""
-        now = (time.monotonic() - self._clock0) / HALF_LIFE_S
-        self._score[block_id] = _log2_add(self._score[block_id], now)
+        self._score[block_id] = _log2_add(self._score[block_id], self._now())
 
     def _take_free(self, block_id: int) -> None:
         del self._free[block_id]

@@ -199,14 +199,12 @@ class OpenAIServingModels:
         reason; a file that breaks the reader in some other way says so too."""
         from memwall.lora.adapter import LoRAError
         from memwall.lora.peft import load_adapter
-        from memwall.lora.slots import check_adapter
+        from memwall.lora.slots import base_config, check_adapter
 
         info = self.engine.core_info
         arch, max_rank = info.arch, info.max_lora_rank
-        heads = {"num_attention_heads": arch.num_attention_heads,
-                 "num_key_value_heads": arch.num_key_value_heads}
         try:
-            adapter = load_adapter(path, name, heads)
+            adapter = load_adapter(path, name, base_config(arch))
         except LoRAError:
             raise
         except OSError as e:
