@@ -288,6 +288,68 @@ class DeviceConfig:
         return self.device == "cuda"
 
 
+EXECUTOR_BACKENDS = ("auto", "uni", "mp", "ray")
+TP_COMMS = ("auto", "shm", "gloo")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How one engine's model is split over worker processes (memwall/distributed/).
+
+    ranks = tensor_parallel_size x pipeline_parallel_size; rank = stage * tp + tp_rank, so a
+    stage's tensor-parallel ranks are neighbours (vLLM's order). Data parallel replicas are
+    whole engines (memwall/engine/dp.py), not ranks of one.
+    """
+
+    tensor_parallel_size: int = 1
+    """Ranks that split every layer (heads, MLP columns, vocabulary)."""
+    pipeline_parallel_size: int = 1
+    """Stages of contiguous layers; hidden states pass from one to the next."""
+    distributed_executor_backend: str = "auto"
+    """uni (one worker in this process), mp (a process per rank on this host) or ray (an
+    actor per rank, placed by a placement group); auto: uni for one rank, else ray when a Ray
+    cluster is already running here, else mp (as vLLM chooses)."""
+    tp_comm: str = "auto"
+    """The all-reduce between tensor-parallel ranks: shm (shared memory, ranks on one host),
+    gloo (torch.distributed, any hosts); auto: shm when every rank is on this host."""
+    comm_timeout_s: float = 120.0
+    """A collective or a step that waits longer for a rank fails (the rank died or hangs)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{', '.join(EXECUTOR_BACKENDS)}, got "
+                             f"{self.distributed_executor_backend!r}")
+        if self.tp_comm not in TP_COMMS:
+            raise ValueError(f"tp_comm must be one of {', '.join(TP_COMMS)}, got {self.tp_comm!r}")
+        if self.comm_timeout_s <= 0:
+            raise ValueError(f"comm_timeout_s must be > 0, got {self.comm_timeout_s}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def backend(self) -> str:
+        """The executor ``auto`` resolves to (see distributed_executor_backend)."""
+        if self.distributed_executor_backend != "auto":
+            return self.distributed_executor_backend
+        if self.world_size == 1:
+            return "uni"
+        return "ray" if _ray_cluster_running() else "mp"
+
+
+def _ray_cluster_running() -> bool:
+    """A Ray cluster this process may join: RAY_ADDRESS set, or a local head's address file."""
+    import os
+    import tempfile
+    if os.environ.get("RAY_ADDRESS"):
+        return True
+    return os.path.exists(os.path.join(tempfile.gettempdir(), "ray", "ray_current_cluster"))
+
+
 # memwall/structured/backend.py's BACKENDS (config imports nothing from the engine)
 STRUCTURED_OUTPUTS_BACKENDS = ("llguidance", "xgrammar")
 
@@ -369,6 +431,19 @@ class EngineArgs:
                "first constrained request does not wait for it (0.2 s and ~25 MB for a 49k "
                "vocabulary, 3 s and ~300 MB for 262k); memwall serve does by default")
 
+    # ---- parallelism (ParallelConfig; memwall/distributed/) ----
+    tensor_parallel_size: int = _arg(1, "ranks that split every layer (heads, MLP, vocabulary)")
+    pipeline_parallel_size: int = _arg(1, "stages of contiguous layers, a batch in flight per stage")
+    data_parallel_size: int = _arg(1, "engine replicas behind one server, requests routed by "
+                                      "prefix-cache affinity and load")
+    distributed_executor_backend: str = _arg("auto", "uni, mp (a process per rank) or ray (an "
+                                                     "actor per rank); auto: uni for one rank, "
+                                                     "ray when a Ray cluster runs, else mp")
+    tp_comm: str = _arg("auto", "tensor-parallel all-reduce: shm (shared memory, one host), gloo "
+                                "(torch.distributed); auto: shm when the ranks share this host")
+    comm_timeout_s: float = _arg(120.0, "seconds a collective or a step may wait for a rank "
+                                        "before the engine declares it dead")
+
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
@@ -383,6 +458,7 @@ class EngineArgs:
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         self.speculative()  # a bad speculative config fails here, before a model loads
+        self._check_parallel()
         if self.enable_lora:
             self._check_lora()
         if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
@@ -392,6 +468,10 @@ class EngineArgs:
 
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
+                              self.distributed_executor_backend, self.tp_comm, self.comm_timeout_s)
 
     def _check_lora(self) -> None:
         if self.max_loras < 1 or self.max_lora_rank < 1:
@@ -407,6 +487,18 @@ class EngineArgs:
         if spec is not None and spec.method != "ngram":
             raise ValueError(f"LoRA with {spec.method!r} speculation is not supported (the drafter "
                              f"does not run the adapters); ngram drafts work")
+
+    def _check_parallel(self) -> None:
+        parallel = self.parallel_config()  # validates the sizes and names
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if parallel.world_size > 1 and self.enable_lora:
+            raise ValueError("LoRA adapters with tensor or pipeline parallel are not supported "
+                             "yet (the adapters' slots are not sharded); run one rank per engine, "
+                             "or --data-parallel-size for more engines")
+        if parallel.world_size > 1 and parallel.backend() == "uni":
+            raise ValueError(f"{parallel.world_size} ranks need a process each: use "
+                             f"--distributed-executor-backend mp or ray, not uni")
 
     @property
     def host_loras(self) -> int:
@@ -454,4 +546,4 @@ class EngineArgs:
 
 
 __all__ = ["ModelArchConfig", "CacheConfig", "SchedulerConfig", "DeviceConfig", "EngineArgs",
-           "SpeculativeConfig"]
+           "SpeculativeConfig", "ParallelConfig"]

@@ -57,6 +57,11 @@ class LLMEngine:
         from memwall.engine.core import EngineCore
         from memwall.executor.uniproc import UniProcExecutor
 
+        if loaded is None and args.parallel_config().world_size > 1:
+            from memwall.executor import make_executor
+            from memwall.loader.model_loader import load_tokenizer
+            return cls(EngineCore(args, make_executor(args)),
+                       load_tokenizer(args.model, args.tokenizer))
         executor = UniProcExecutor(args, loaded)
         core = EngineCore(args, executor)
         return cls(core, executor.worker.loaded.tokenizer)

@@ -31,6 +31,17 @@ class LLM:
         self.engine = LLMEngine.from_args(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stops the engine's worker processes now (they also stop when the LLM is collected
+        or the interpreter exits)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

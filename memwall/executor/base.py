@@ -18,6 +18,11 @@ if TYPE_CHECKING:  # the worker side imports torch; the core does not need it to
     from memwall.worker.worker import ModelInfo
 
 
+class RankFailed(RuntimeError):
+    """A worker rank died, raised, or hung past the timeout: its group can run no more steps
+    (the engine core ends the in-flight requests; the executor can be restarted)."""
+
+
 class Executor(ABC):
     @abstractmethod
     def load_model(self) -> "ModelInfo":
@@ -59,6 +64,13 @@ class Executor(ABC):
 
 
 def make_executor(args: EngineArgs) -> Executor:
+    """The executor ``args`` ask for (``ParallelConfig.backend``: uni, mp or ray)."""
+    backend = args.parallel_config().backend()
+    if backend == "mp":
+        from memwall.executor.multiproc import MultiprocExecutor
+        return MultiprocExecutor(args)
+    if backend == "ray":
+        from memwall.executor.ray_executor import RayExecutor
+        return RayExecutor(args)
     from memwall.executor.uniproc import UniProcExecutor
-
     return UniProcExecutor(args)

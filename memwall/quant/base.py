@@ -66,6 +66,21 @@ class QuantMethod(ABC):
         gate/up into one matmul); None when this method cannot join these parts."""
         return None
 
+    # ---- tensor parallel (memwall/distributed/tensor_parallel.py cuts layers with these) ----
+    def column_unit(self, layer: "QuantLinear") -> int | None:
+        """Inputs are cut only at multiples of this (a scale group, a packed block); None:
+        this layout cannot be cut along its inputs."""
+        return None
+
+    def take_rows(self, layer: "QuantLinear", index: torch.Tensor) -> QuantWeights | None:
+        """The weight of output rows ``index`` (int64 [n]); None when this layout cannot."""
+        return None
+
+    def take_columns(self, layer: "QuantLinear", start: int, stop: int) -> QuantWeights | None:
+        """The weight of inputs start..stop-1 (multiples of ``column_unit``); None when this
+        layout cannot."""
+        return None
+
     def native_weight(self, layer: "QuantLinear", bias: torch.Tensor | None) -> "PackedWeight | None":
         """The layer's weight (with ``bias``) in a layout memwall/kernels/cpu reads, for the
         fused decode step; None when the kernels cannot read this method's tensors."""
@@ -100,6 +115,32 @@ def stack_rows(method: QuantMethod, parts: list[QuantWeights]) -> QuantWeights |
     tensors = {name: torch.cat([p.tensors[name] for p in parts]) for name in first.tensors}
     return QuantWeights(method, tensors, sum(p.out_features for p in parts), first.in_features,
                         " + ".join(sorted({p.source for p in parts})))
+
+
+def rows_of(layer: "QuantLinear", index: torch.Tensor) -> QuantWeights:
+    """``take_rows`` for layouts that keep one row of every tensor per output feature."""
+    tensors = {name: t.index_select(0, index).contiguous() for name, t in layer.named_buffers()}
+    return QuantWeights(layer.method, tensors, len(index), layer.in_features, layer.source,
+                        dict(layer.extra))
+
+
+def columns_of(layer: "QuantLinear", start: int, stop: int, inputs_per_column: dict[str, int],
+               unit: int) -> QuantWeights:
+    """``take_columns`` for row-wise layouts: tensor ``name``'s columns cover
+    ``inputs_per_column[name]`` inputs each (absent: one column for the whole row, kept as is);
+    cuts only at multiples of ``unit``."""
+    if start % unit or stop % unit or not 0 <= start < stop <= layer.in_features:
+        raise ValueError(f"cannot cut inputs {start}..{stop} of {layer.in_features}: this "
+                         f"layout is cut at multiples of {unit}")
+    tensors = {}
+    for name, t in layer.named_buffers():
+        per = inputs_per_column.get(name, 0)
+        if per == 0 or t.dim() == 1:
+            tensors[name] = t  # a scale per output row: every input slice shares it
+            continue
+        tensors[name] = t[:, start // per: stop // per].contiguous()
+    return QuantWeights(layer.method, tensors, layer.out_features, stop - start, layer.source,
+                        dict(layer.extra))
 
 
 class QuantLinear(nn.Module):

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memwall.quant.base import QuantLinear, QuantMethod, QuantWeights, stack_rows
+from memwall.quant.base import (QuantLinear, QuantMethod, QuantWeights, columns_of, rows_of,
+                                stack_rows)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448.0
@@ -71,6 +72,15 @@ class Fp8Linear(QuantMethod):
 
     def concat(self, parts: list[QuantWeights]) -> QuantWeights | None:
         return stack_rows(self, parts)
+
+    def column_unit(self, layer: QuantLinear) -> int:
+        return _ALIGN
+
+    def take_rows(self, layer: QuantLinear, index: torch.Tensor) -> QuantWeights:
+        return rows_of(layer, index)
+
+    def take_columns(self, layer: QuantLinear, start: int, stop: int) -> QuantWeights:
+        return columns_of(layer, start, stop, {"qweight": 1}, _ALIGN)  # wscale: one per output row
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         if scaled_mm_supported(x.device):

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from memwall.kernels.cpu import quant_ops
 from memwall.kernels.cpu.layout import PackedWeight
-from memwall.quant.base import QuantLinear, QuantMethod, QuantWeights, scale_tables, stack_rows
+from memwall.quant.base import (QuantLinear, QuantMethod, QuantWeights, columns_of, rows_of,
+                                scale_tables, stack_rows)
 
 GROUP_SIZES = (32, 64, 128, 256)
 # From this many tokens on, dequantize to bf16 and use F.linear (see the module docstring;
@@ -265,6 +266,15 @@ class NativeQ4(QuantMethod):
 
     def concat(self, parts: list[QuantWeights]) -> QuantWeights | None:
         return stack_rows(self, parts)
+
+    def column_unit(self, layer: QuantLinear) -> int:
+        return 32  # a block's 16 bytes interleave its two halves: cut between blocks only
+
+    def take_rows(self, layer: QuantLinear, index: torch.Tensor) -> QuantWeights:
+        return rows_of(layer, index)
+
+    def take_columns(self, layer: QuantLinear, start: int, stop: int) -> QuantWeights:
+        return columns_of(layer, start, stop, {"codes": 2, "s": 32, "c": 32}, 32)
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         y = quant_ops.q4_matmul(x.float().contiguous(), layer.codes, layer.s, layer.c)  # [T, out]

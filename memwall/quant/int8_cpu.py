@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from memwall.kernels.cpu import quant_ops
 from memwall.kernels.cpu.layout import PackedWeight
-from memwall.quant.base import QuantLinear, QuantMethod, QuantWeights, scale_tables, stack_rows
+from memwall.quant.base import (QuantLinear, QuantMethod, QuantWeights, columns_of, rows_of,
+                                scale_tables, stack_rows)
 from memwall.quant.int4_cpu import DEQUANT_MIN_TOKENS, _to_bf16_up
 
 _K_ALIGN = 16
@@ -57,6 +58,15 @@ class Int8WeightOnly(QuantMethod):
     def concat(self, parts: list[QuantWeights]) -> QuantWeights | None:
         return stack_rows(self, parts)
 
+    def column_unit(self, layer: QuantLinear) -> int:
+        return _K_ALIGN
+
+    def take_rows(self, layer: QuantLinear, index: torch.Tensor) -> QuantWeights:
+        return rows_of(layer, index)
+
+    def take_columns(self, layer: QuantLinear, start: int, stop: int) -> QuantWeights:
+        return columns_of(layer, start, stop, {"qweight": 1}, _K_ALIGN)  # scales: one per output row
+
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         xb = x.to(torch.bfloat16).contiguous()  # [T, in]
         if xb.shape[0] >= DEQUANT_MIN_TOKENS:
@@ -94,6 +104,19 @@ class NativeQ8(QuantMethod):
 
     def concat(self, parts: list[QuantWeights]) -> QuantWeights | None:
         return stack_rows(self, parts)  # also refuses parts with other group sizes
+
+    def column_unit(self, layer: QuantLinear) -> int:
+        group = layer.in_features // layer.s.shape[1]
+        return _K_ALIGN if layer.s.shape[1] == 1 else group  # per-channel: any aligned cut
+
+    def take_rows(self, layer: QuantLinear, index: torch.Tensor) -> QuantWeights:
+        return rows_of(layer, index)
+
+    def take_columns(self, layer: QuantLinear, start: int, stop: int) -> QuantWeights:
+        if layer.s.shape[1] == 1:  # one (s, c) per row: the cut keeps them, its group = its width
+            return columns_of(layer, start, stop, {"codes": 1}, _K_ALIGN)
+        group = layer.in_features // layer.s.shape[1]
+        return columns_of(layer, start, stop, {"codes": 1, "s": group, "c": group}, group)
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         y = quant_ops.q8_matmul(x.float().contiguous(), layer.codes, layer.s, layer.c)  # [T, out]

@@ -31,6 +31,7 @@ from memwall.worker.runner import ModelRunner
 from memwall.worker.step_shape import StepShape, measure as measure_step_shape
 
 if TYPE_CHECKING:
+    from memwall.distributed.communicator import Communicator
     from memwall.lora.worker_lora import WorkerLoRA
 
 logger = logging.getLogger("memwall")
@@ -58,9 +59,16 @@ class ModelInfo:
 
 
 class Worker:
-    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
-        """``loaded``: a model already in memory (tests, benchmarks); else ``args.model`` loads."""
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None,
+                 tp_comm: "Communicator | None" = None) -> None:
+        """``loaded``: a model already in memory (tests, benchmarks); else ``args.model`` loads.
+        ``tp_comm``: this rank's tensor-parallel group (memwall/distributed): the model is cut
+        to the rank's share after loading."""
         self.args = args
+        self.tp_comm = tp_comm
+        self.arch: ModelArchConfig | None = None
+        """The model's shape as this worker holds it (a tensor-parallel rank's heads, KV heads
+        and MLP columns): what its KV cache and kernels are sized by."""
         self.device_config = args.device_config(torch.cuda.is_available())
         self.loaded = loaded
         self.owns_model = loaded is None
@@ -79,6 +87,10 @@ class Worker:
                                      progress=self.args.show_progress,
                                      quantization=loader_quantization(self.args.quantization))
         self.model = place_model(self.loaded.model, dev, self.args.quantization)
+        self.arch = self.loaded.arch
+        if self.tp_comm is not None and self.tp_comm.size > 1:
+            from memwall.distributed.tensor_parallel import shard_model
+            self.arch = shard_model(self.model, self.tp_comm)
         self._load_draft_model()
         tokenizer = self.loaded.tokenizer
         vocab = VocabInfo(tokenizer.backend, self.loaded.arch.vocab_size,
@@ -103,7 +115,12 @@ class Worker:
     def determine_num_blocks(self, cache: CacheConfig, sched: SchedulerConfig) -> KVCachePlan:
         """The KV pool: on cuda without an explicit size, what a profiled forward pass leaves of
         gpu_memory_utilization x the device's memory; elsewhere the configured budget."""
-        dev, arch, kv_dtype = self.device_config, self.loaded.arch, kv_cache_dtype(self.device_config)
+        dev, arch, kv_dtype = self.device_config, self.arch, kv_cache_dtype(self.device_config)
+        ranks = self.args.parallel_config().world_size
+        if ranks > 1 and cache.num_blocks is None:  # the budget is the host's: ranks share it
+            cache = (dataclasses.replace(cache, kv_cache_memory=cache.kv_cache_memory // ranks)
+                     if cache.kv_cache_memory is not None else
+                     dataclasses.replace(cache, kv_cache_fraction=cache.kv_cache_fraction / ranks))
         if dev.is_cuda and cache.kv_cache_memory is None and cache.num_blocks is None:
             from memwall.attention.backend import choose as choose_backend
             self.gpu_memory = profile_gpu_memory(self.model, arch, sched, cache.block_size,
@@ -118,7 +135,7 @@ class Worker:
                 if isinstance(module, RotaryEmbedding):
                     module.truncate(max_model_len)
         self.lora = self._make_lora()
-        self.runner = ModelRunner(self.model, self.loaded.arch, plan, kv_cache_dtype(dev),
+        self.runner = ModelRunner(self.model, self.arch, plan, kv_cache_dtype(dev),
                                   self.args.seed, dev, max_num_seqs, max_model_len,
                                   self.args.speculative(), self.draft, self.lora)
         if self.lora is not None:
@@ -170,6 +187,9 @@ class Worker:
         parts.append(f"KV cache {kv_name}" + (" (auto)" if dev.kv_cache_dtype == "auto" else ""))
         if self.gpu_memory is not None:
             parts.append(self.gpu_memory.describe())
+        if self.tp_comm is not None and self.tp_comm.size > 1:
+            parts.append(f"tensor parallel {self.tp_comm.size} ({self.tp_comm.describe()}); "
+                         f"{self.model.tp_shard.describe()}")
         return "; ".join(p for p in parts if p)
 
 

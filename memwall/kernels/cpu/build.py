@@ -30,7 +30,7 @@ logger = logging.getLogger("memwall")
 
 HERE = Path(__file__).resolve().parent
 SOURCES = ("quant_gemm.c", "int_gemm.c", "int8_dot.c", "paged_attention.c", "decode.c",
-           "split_bf16.c")
+           "split_bf16.c", "shm_comm.c")
 HEADERS = ("kernels.h",)
 # -ffp-contract=off: a weight s * q + c is rounded as the reference dequantizer rounds it.
 # -Bsymbolic: calls between the files stay inside one build when tests load several.
@@ -56,6 +56,9 @@ _ERRORS = {
     -5: (ValueError, "got a cache slot outside the KV cache"),
     -6: (ValueError, "got a LoRA slot outside -1..max_loras - 1 (or LoRA on a model built "
                      "without it)"),
+    -7: (TimeoutError, "timed out waiting for another tensor-parallel rank (it died or hangs)"),
+    -8: (RuntimeError, "was aborted: a tensor-parallel rank failed (or the group was aborted); "
+                       "the group cannot be used again"),
 }
 
 
@@ -170,6 +173,7 @@ def require() -> ctypes.CDLL:
 def _declare(cdll: ctypes.CDLL) -> None:
     """ctypes signatures, as kernels.h declares them."""
     i64, i32, p, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+    f64 = ctypes.c_double
     signatures = {
         "q4_gemm": (None, [p, i64, i64, p, p, p, p, i64, i32]),
         "q8_gemm": (None, [p, i64, i64, i64, p, p, p, p, i64, i32]),
@@ -198,6 +202,13 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "mw_kv_write": (i32, [p, i64, p, i64, i64, i64, i32, p, p]),
         "mw_decode_step": (i32, [p, p, i64, p, p, p, p, i64, p, p, p]),
         "mw_profile": (None, [i32, p]),
+        "mw_shm_bytes": (i64, [i64, i64]),
+        "mw_shm_init": (None, [p, i64, i64]),
+        "mw_shm_attach": (i32, [p, p, i64, i64, f64]),
+        "mw_shm_allreduce": (i32, [p, p, i64]),
+        "mw_shm_allgather": (i32, [p, p, i64, p, p]),
+        "mw_shm_barrier": (i32, [p]),
+        "mw_shm_abort": (None, [p]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(cdll, name)

@@ -101,6 +101,12 @@ typedef struct {
     int64_t act;            /* the gate's activation: MW_ACT_SILU or MW_ACT_GELU_TANH */
     int64_t max_rank;       /* LoRA: rank rows per slot (the a/bt row stride of a slot) */
     int64_t n_slots;        /* LoRA slots (0: the model was described without LoRA) */
+    /* Tensor parallel (memwall/distributed/tensor_parallel.py): this rank holds a share of
+     * the heads and MLP columns, so the o and down projections give partial sums that
+     * allreduce(ctx, buf, n) sums over the ranks in place (shm_comm.c's mw_shm_allreduce, or
+     * a callback into torch.distributed); NULL: one rank. Returns MW_OK or an MW_COMM_* error. */
+    int (*allreduce)(void* ctx, float* buf, int64_t n);
+    void* comm_ctx;
 } mw_model;
 
 enum { MW_ACT_SILU = 0, MW_ACT_GELU_TANH = 1 };
@@ -373,8 +379,9 @@ static void lora_apply(const mw_lora_proj* lp, const mw_lora_step* st, const flo
 
 /* Optional stage timers (benchmarks/cpu_profile.py): seconds spent per stage, summed over
  * steps while profiling is on. Stages: 0 norms, 1 qkv, 2 rope + cache write, 3 attention,
- * 4 o_proj, 5 gate_up, 6 silu*mul, 7 down, 8 LoRA deltas (all four projections'). */
-#define MW_STAGES 9
+ * 4 o_proj, 5 gate_up, 6 silu*mul, 7 down, 8 LoRA deltas (all four projections'),
+ * 9 tensor-parallel all-reduces (waiting for the other ranks included). */
+#define MW_STAGES 10
 static int mw_profiling = 0;
 static double mw_stage_seconds[MW_STAGES];
 void mw_profile(int on, double* out) {
@@ -522,6 +529,10 @@ int mw_decode_step(const mw_model* m, float* x, int64_t B, const int64_t* positi
         if (rc != MW_OK) break;
         STAGE(4, proj_apply(&L->o, attn, B, act, Hd, tmp));
         STAGE(8, lora_apply(&L->lora_o, &lora, attn, act, Hd));
+        if (m->allreduce) {  /* before Gemma's output norm: it norms the whole sum */
+            STAGE(9, rc = m->allreduce(m->comm_ctx, act, B * Hd));
+            if (rc != MW_OK) break;
+        }
         if (L->attn_out_norm)
             STAGE(0, for (int64_t b = 0; b < B; b++)
                          rms_norm(act + b * Hd, L->attn_out_norm, act + b * Hd, Hd, m->eps));
@@ -532,6 +543,10 @@ int mw_decode_step(const mw_model* m, float* x, int64_t B, const int64_t* positi
         STAGE(6, gate_mul(big, act, B, inter, m->act));
         STAGE(7, proj_apply(&L->down, act, B, h, Hd, tmp));
         STAGE(8, lora_apply(&L->lora_down, &lora, act, h, Hd));
+        if (m->allreduce) {
+            STAGE(9, rc = m->allreduce(m->comm_ctx, h, B * Hd));
+            if (rc != MW_OK) break;
+        }
         if (L->ffn_out_norm)
             STAGE(0, for (int64_t b = 0; b < B; b++)
                          rms_norm(h + b * Hd, L->ffn_out_norm, h + b * Hd, Hd, m->eps));

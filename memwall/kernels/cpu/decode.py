@@ -8,6 +8,10 @@ up to 3 q4/q8/f32 parts). Anything else (bf16, torch's int4/int8 ops, no C compi
 ``NativeDecoder.build`` return None and the model runs its torch path, which computes the same
 thing.
 
+Tensor parallel: a model cut by memwall/distributed/tensor_parallel.py is described by its
+rank's share, and decode.c sums the o and down projections over the ranks through the model's
+communicator (``native_all_reduce``: shared memory, or a callback into torch.distributed).
+
 LoRA: projections wrapped by ``memwall.lora.layers.apply_lora`` are described by their base,
 and their ``LoRASlots`` segments go to decode.c too, which adds each token's adapter delta
 after the projection (``step``'s ``token_slots``), as the wrapped modules do in torch.
@@ -61,7 +65,7 @@ class Model(ctypes.Structure):
                 ("head_dim", _i64), ("inter", _i64), ("block_size", _i64), ("n_blocks", _i64),
                 ("max_positions", _i64), ("kv_type", _i64), ("eps", _f32), ("scale", _f32),
                 ("layers", ctypes.POINTER(Layer)), ("final_norm", _p), ("act", _i64),
-                ("max_rank", _i64), ("n_slots", _i64)]
+                ("max_rank", _i64), ("n_slots", _i64), ("allreduce", _p), ("comm_ctx", _p)]
 
 
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # MW_ACT_* in decode.c
@@ -192,7 +196,8 @@ class NativeDecoder:
                 entry.q_norm, entry.k_norm = _ptr(attn.q_norm.weight), _ptr(attn.k_norm.weight)
             for field, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj),
                                   ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
-                base, segments = unwrap(module)  # a LoRAProjection: its base, its segments
+                base, segments = unwrap(getattr(module, "inner", module))  # row-parallel: its
+                # own share (the step all-reduces after o and down); LoRA: base and segments
                 proj = _proj(base, keep)
                 setattr(entry, field, proj)
                 setattr(entry, "lora_" + field, _lora(segments, proj, geometry, keep))
@@ -217,6 +222,13 @@ class NativeDecoder:
                       kv_quant.NATIVE_CODES[kv_dtype], eps.pop(),
                       inner.layers[0].self_attn.scale, layers, _ptr(inner.norm.weight),
                       ACTIVATIONS[cfg.hidden_act], max_rank, n_slots)
+        comm = getattr(net, "tp_comm", None)  # tensor parallel: memwall/distributed
+        if comm is not None:
+            native = comm.native_all_reduce()
+            if native is None:
+                raise Unsupported(f"{type(comm).__name__} has no all-reduce decode.c can call")
+            model.allreduce, model.comm_ctx = native
+            keep.append(comm)
         return cls(model, layers, kv_caches, rope_cos, rope_sin, keep)
 
     def step(self, embeddings: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

@@ -10,6 +10,8 @@
  *     paged_attention.c  decode attention over paged KV blocks, read where they lie
  *     decode.c           the fused decode step: all layers of a Llama-family model in one call
  *     split_bf16.c       hi + lo bf16 operands for split-bf16 (AMX) prefill matmuls (amx.py)
+ *     shm_comm.c         all-reduce, all-gather and barrier of tensor-parallel ranks on one
+ *                        host, through shared memory (memwall/distributed/shm_comm.py)
  *
  * Each file picks its code path from the compiler's target macros (__AVX512F__, __AVX2__ with
  * __FMA__, or plain C), so one source builds for every CPU. Sizes: every function takes zero
@@ -39,6 +41,8 @@ enum {
     MW_BAD_POSITION = -4,   /* a position outside the rotary table */
     MW_BAD_SLOT = -5,       /* a cache slot outside 0..num_blocks * block_size - 1 */
     MW_BAD_LORA_SLOT = -6,  /* a token's LoRA slot outside -1..n_slots - 1 (decode.c) */
+    MW_COMM_TIMEOUT = -7,   /* another tensor-parallel rank never arrived (shm_comm.c) */
+    MW_COMM_ABORTED = -8,   /* the ranks' group was aborted: a rank timed out or failed */
 };
 
 /* quant_gemm.c: y [M, N] = x [M, K] @ W^T with W = s * q + c per block of K (row-major).
@@ -115,6 +119,36 @@ int mw_paged_decode_attention_kv(const float* q, const void* k_cache, const void
  * for a slot outside 0..num_slots - 1 (nothing written) */
 int mw_kv_write(const float* x, int64_t n, const int64_t* slots, int64_t num_slots, int64_t Hkv,
                 int64_t D, int kv_type, void* cache, float* scales);
+
+/* shm_comm.c: collectives of the tensor-parallel ranks of one host over a shared-memory
+ * segment (layout and ordering argument at the top of shm_comm.c). The parent sizes the
+ * segment with mw_shm_bytes and writes its header with mw_shm_init; each rank fills its
+ * mw_shm_comm with mw_shm_attach (0, or 1: not a segment mw_shm_init made; 2: made for
+ * another world size). Every rank makes the same calls with the same sizes. The collectives
+ * return MW_OK, MW_COMM_TIMEOUT (this rank gave up waiting and aborted the group) or
+ * MW_COMM_ABORTED (the group was aborted before or during the call). */
+typedef struct {
+    void* base;          /* the mapped segment */
+    int64_t rank, world;
+    int64_t capacity;    /* floats per slot, from the segment's header */
+    int64_t seq;         /* synchronisation rounds this rank has entered (private) */
+    double timeout_s;    /* the longest wait for another rank; <= 0: no limit */
+} mw_shm_comm;
+/* an in-place sum over ranks, as C callers (decode.c) take it: fn(ctx, buf, n) */
+typedef int (*mw_allreduce_fn)(void* ctx, float* buf, int64_t n);
+int64_t mw_shm_bytes(int64_t world, int64_t capacity);
+void mw_shm_init(void* base, int64_t world, int64_t capacity);
+int mw_shm_attach(mw_shm_comm* c, void* base, int64_t rank, int64_t world, double timeout_s);
+/* buf [n] = sum over ranks of buf, in rank order (bit-identical on every rank); comm is an
+ * mw_shm_comm*, so that the function is an mw_allreduce_fn */
+int mw_shm_allreduce(void* comm, float* buf, int64_t n);
+/* rank r's src [rows, cols[r]] -> dst [rows, sum(cols)], rank r's columns at
+ * sum(cols[:r]); every rank passes the same rows and cols (1-D pieces: rows = 1) */
+int mw_shm_allgather(mw_shm_comm* c, const float* src, int64_t rows, const int64_t* cols,
+                     float* dst);
+int mw_shm_barrier(mw_shm_comm* c);
+/* sets the segment's abort flag: every waiting and later call returns MW_COMM_ABORTED */
+void mw_shm_abort(void* base);
 
 /* ------------------------------------------------------------------ shared vector helpers */
 

@@ -1,0 +1,1 @@
+"""memwall/distributed: collectives and process groups for tensor/pipeline/data parallel."""
