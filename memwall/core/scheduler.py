@@ -70,6 +70,11 @@ class _Plan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_tokens: int = 0
+    max_seqs: int | None = None
+
+    @property
+    def full(self) -> bool:
+        return self.max_seqs is not None and len(self.chunks) >= self.max_seqs
 
     def add(self, chunk: ScheduledChunk) -> None:
         self.chunks.append(chunk)
@@ -107,7 +112,9 @@ class Scheduler:
         self._finished_for_worker: list[str] = []
         """Finished requests the workers still hold: told with the next non-empty step."""
         self._in_flight: dict[str, ScheduledChunk] = {}
-        """The chunks of the step being run, by request id (read back by ``update``)."""
+        """The chunks of the steps being run, by request id (read back by ``update``). With
+        pipeline parallel several steps run at once, each of other requests: a request in
+        flight is neither scheduled again nor preempted until its step's results are in."""
 
     @property
     def num_preemptions(self) -> int:
@@ -154,21 +161,28 @@ class Scheduler:
         return bool(self.requests)
 
     # ---- one step --------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        plan = _Plan()
+    def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
+        """The next step: at most ``max_seqs`` sequences when given (pipeline parallel splits
+        the runnable requests between the steps in flight), none of those already in flight."""
+        plan = _Plan(max_seqs=max_seqs)
         budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
         if not plan.preempted:
             # Admitting new work in the step that just had to preempt would only thrash.
             self._schedule_waiting(plan, budget)
         return self._to_output(plan)
 
+    @property
+    def num_schedulable(self) -> int:
+        """Requests a step could take now: running ones not in flight, and the waiting."""
+        return sum(r.request_id not in self._in_flight for r in self.running) + len(self.waiting)
+
     def _schedule_running(self, plan: _Plan, budget: int) -> int:
         for request in list(self.running):
             budget = self.config.max_num_batched_tokens - plan.num_tokens
-            if budget <= 0:
+            if budget <= 0 or plan.full:
                 break
-            if request not in self.running:
-                continue  # preempted earlier in this loop
+            if request not in self.running or request.request_id in self._in_flight:
+                continue  # preempted earlier in this loop, or its last step is still running
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             drafts = self._drafts(request, num_new, budget)
             if drafts and not self.kv.allocate_slots(
@@ -206,12 +220,15 @@ class Scheduler:
         return True
 
     def _pick_victim(self) -> Request:
+        """The request that gives up its blocks (never one whose step is still running: its
+        blocks are being written; the request asking is never in flight, so one exists)."""
+        candidates = [r for r in self.running if r.request_id not in self._in_flight]
         if self.config.scheduling_policy == "priority":
-            return max(self.running, key=priority_key)
-        return self.running[-1]
+            return max(candidates, key=priority_key)
+        return candidates[-1]
 
     def _schedule_waiting(self, plan: _Plan, budget: int) -> None:
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and not plan.full:
             request = self._next_admissible()
             if request is None or not self._has_seq_slots(request):
                 break
@@ -271,7 +288,7 @@ class Scheduler:
             transfers=self.kv.take_transfers())
         for victim in plan.preempted:
             victim.worker_num_tokens = victim.worker_num_blocks = 0
-        self._in_flight = {c.request.request_id: c for c in plan.chunks}
+        self._in_flight.update((c.request.request_id, c) for c in plan.chunks)
         for chunk in plan.chunks:
             request = chunk.request
             out.num_scheduled_tokens[request.request_id] = chunk.num_tokens
@@ -329,9 +346,8 @@ class Scheduler:
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Applies a step's results; returns the requests that got a new token (finished or not)."""
         touched = []
-        chunks, self._in_flight = self._in_flight, {}
         for request_id in sched.num_scheduled_tokens:
-            chunk = chunks[request_id]
+            chunk = self._in_flight.pop(request_id)
             request = chunk.request
             if request.is_finished:
                 continue  # aborted while the step ran

@@ -55,8 +55,8 @@ class TPShard:
 
     def describe(self) -> str:
         q, kv, i = self.q_heads, self.kv_heads, self.inter
-        return (f"rank {self.rank}: q heads {q[0]}-{q[1] - 1}, KV heads {kv[0]}-{kv[1] - 1}, "
-                f"MLP {i[1] - i[0]} of the columns, vocab rows {self.vocab[0]}-{self.vocab[1] - 1}")
+        return (f"q heads {q[0]}-{q[1] - 1}, KV heads {kv[0]}-{kv[1] - 1}, MLP columns "
+                f"{i[0]}-{i[1] - 1}, vocab rows {self.vocab[0]}-{self.vocab[1] - 1}")
 
 
 def even_split(total: int, parts: int, unit: int = 1) -> list[tuple[int, int]]:
@@ -273,15 +273,19 @@ def _shard_vocab(net: nn.Module, shard: TPShard, comm: Communicator) -> None:
     """embed_tokens and lm_head to the rank's vocabulary rows; a tied pair stays one table."""
     v0, v1 = shard.vocab
     rows = torch.arange(v0, v1)
-    embed, head = net.model.embed_tokens, net.lm_head
+    embed, head = net.model.embed_tokens, net.lm_head  # a pipeline stage may hold one, or none
     tied = net.config.tie_word_embeddings
-    local_head = take_rows(head, rows)
-    if tied and type(embed) is nn.Embedding and type(local_head) is nn.Linear:
+    local_head = take_rows(head, rows) if head is not None else None
+    if embed is None:
+        local_embed = None
+    elif tied and type(embed) is nn.Embedding and type(local_head) is nn.Linear:
         local_embed = nn.Embedding(v1 - v0, embed.embedding_dim, _weight=local_head.weight)
     else:
         local_embed = _embedding_rows(embed, v0, v1, local_head if tied else None)
-    net.model.embed_tokens = VocabParallelEmbedding(local_embed, v0, v1, comm)
-    net.lm_head = VocabParallelHead(local_head, shard.vocab_sizes, comm)
+    if local_embed is not None:
+        net.model.embed_tokens = VocabParallelEmbedding(local_embed, v0, v1, comm)
+    if local_head is not None:
+        net.lm_head = VocabParallelHead(local_head, shard.vocab_sizes, comm)
 
 
 def _embedding_rows(embed: nn.Module, v0: int, v1: int, tied_head: nn.Module | None) -> nn.Module:

@@ -3,7 +3,8 @@ gives plain outputs back (memwall/engine/protocol.py), so it runs the same in-pr
 ``LLM``) and in a process of its own (``memwall serve``, memwall/engine/core_client.py).
 
     step():  scheduler.schedule()  -> SchedulerOutput   (plain data: new requests, then deltas)
-             executor.execute()    -> RunnerOutput      (sampled ids, logprobs)
+             executor.submit()                          (pipeline parallel: one step a stage
+             executor.collect()    -> RunnerOutput       in flight, each of other requests)
              scheduler.update()    -> requests that got a token (stop checks, cache, free)
              -> EngineCoreOutputs  (new tokens per sample, finish reasons, stats)
 
@@ -16,6 +17,7 @@ else waits for them.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from memwall.config import EngineArgs
 from memwall.core.kv.manager import KVCacheManager
 from memwall.core.scheduler import Scheduler
+from memwall.core.step import SchedulerOutput
 from memwall.engine.protocol import (EngineCoreInfo, EngineCoreOutput, EngineCoreOutputs,
                                      EngineCoreRequest, EngineStats)
 from memwall.executor import Executor, make_executor
@@ -104,6 +107,8 @@ class EngineCore:
             prefill = shape.prefill_tokens_per_s if shape is not None else DEFAULT_PREFILL_TOK_S
             self.kv.pool.block_cost_s = plan.block_size / prefill
             self.lora.attach_pool(self.kv.pool, self.executor.park_lora, self._adapters_in_use)
+        self._steps: collections.deque[SchedulerOutput] = collections.deque()
+        """Steps submitted to the executor and not yet collected, oldest first."""
         self._preparing: list[_Preparing] = []
         self._unloading: set[int] = set()
         """Adapters unloaded by the API while requests still use them: dropped when they end."""
@@ -156,14 +161,29 @@ class EngineCore:
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
         failed = self._admit_prepared()
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
+        self._fill_pipeline()
+        if not self._steps:
             return EngineCoreOutputs(failed, stats=self.stats())
-        result = self.executor.execute(sched)
+        sched = self._steps.popleft()
+        result = self.executor.collect()
         touched = self.scheduler.update(sched, result)
         if self._unloading:
             self._drop_unloaded()
         return EngineCoreOutputs(failed + [_output(r) for r in touched], self.stats())
+
+    def _fill_pipeline(self) -> None:
+        """Submits steps until the executor holds ``pipeline_depth`` of them (one without
+        pipeline parallel). With several stages the runnable requests are split evenly
+        between the steps in flight, so each stage always has a batch to run."""
+        depth = self.executor.pipeline_depth
+        while len(self._steps) < depth:
+            free = depth - len(self._steps)
+            share = None if depth == 1 else max(1, -(-self.scheduler.num_schedulable // free))
+            sched = self.scheduler.schedule(share)
+            if sched.is_empty:
+                return
+            self.executor.submit(sched)
+            self._steps.append(sched)
 
     def _admit_prepared(self) -> list[EngineCoreOutput]:
         """Requests whose adapter and grammars are ready join the scheduler; one whose adapter

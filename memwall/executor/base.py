@@ -6,6 +6,7 @@ so an executor whose workers live in other processes can forward the same calls.
 
 from __future__ import annotations
 
+import collections
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,19 @@ class Executor(ABC):
     @abstractmethod
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Runs one step on every worker; returns the (driver worker's) sampled tokens."""
+
+    pipeline_depth: int = 1
+    """Steps the workers can run at once: one per pipeline stage (the engine core keeps that
+    many in flight, each of other requests, so no stage waits for the others)."""
+
+    def submit(self, sched: SchedulerOutput) -> None:
+        """Starts a step; ``collect`` returns the results of the steps in submission order.
+        Executors without a pipeline run it when collected."""
+        self.__dict__.setdefault("_submitted", collections.deque()).append(sched)
+
+    def collect(self) -> RunnerOutput:
+        """The oldest submitted step's RunnerOutput (waits for it)."""
+        return self.execute(self.__dict__["_submitted"].popleft())
 
     def add_lora(self, lora):
         """Loads a LoRA adapter (memwall.lora.LoRARequest) into every worker's host cache;

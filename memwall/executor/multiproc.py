@@ -34,10 +34,9 @@ class MultiprocExecutor(Executor):
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.parallel = parallel = args.parallel_config()
-        if parallel.pipeline_parallel_size > 1:
-            raise ValueError("pipeline parallel is not built into the mp executor yet; use "
-                             "--tensor-parallel-size or --data-parallel-size")
         self.world, self.tp = parallel.world_size, parallel.tensor_parallel_size
+        self.pp = self.pipeline_depth = parallel.pipeline_parallel_size
+        self.driver = self.world - self.tp  # tensor rank 0 of the last stage: it samples
         self.comm = parallel.tp_comm if parallel.tp_comm != "auto" else "shm"
         self.timeout_s = parallel.comm_timeout_s
         self._procs: list = []
@@ -49,8 +48,8 @@ class MultiprocExecutor(Executor):
         from memwall.distributed.shm_broadcast import ShmBroadcast
         from memwall.distributed.shm_comm import ShmGroup
 
-        if self.comm == "shm" and self.tp > 1:
-            self._segments.append(ShmGroup.create(self.tp))
+        if self.comm == "shm" and self.tp > 1:  # one all-reduce segment per pipeline stage
+            self._segments.extend(ShmGroup.create(self.tp) for _ in range(self.pp))
         self._inbox = ShmBroadcast(self.world)
         # registered before any process starts: a failed start cleans up like a shutdown
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._inbox,
@@ -63,11 +62,13 @@ class MultiprocExecutor(Executor):
         per = max(1, len(cpus) // self.world)
         pin = len(cpus) >= self.world
         threads = self.args.threads or per
-        gloo = f"127.0.0.1:{_free_port()}" if self.comm == "gloo" and self.tp > 1 else None
-        shm = self._segments[0].name if self._segments else None
-        return [RankSpec(self.args, r, self.world, self.tp, threads,
+        gloo = ([f"127.0.0.1:{_free_port()}" for _ in range(self.pp)]
+                if self.comm == "gloo" and self.tp > 1 else [None] * self.pp)
+        shm = [s.name for s in self._segments] or [None] * self.pp
+        return [RankSpec(self.args, r, self.world, self.tp, self.pp, threads,
                          tuple(cpus[r * per:(r + 1) * per]) if pin else None, self.comm,
-                         shm, gloo, self.timeout_s) for r in range(self.world)]
+                         shm[r // self.tp], gloo[r // self.tp], self.timeout_s)
+                for r in range(self.world)]
 
     def _start(self) -> None:
         ctx = multiprocessing.get_context("spawn")  # no fork of a process with OpenMP threads
@@ -80,6 +81,8 @@ class MultiprocExecutor(Executor):
             self._procs.append(proc)
             self._conns.append(parent)
         self._collect(START_TIMEOUT_S)
+        if self.pp > 1:  # each stage's ranks send to the next stage's through a ring of theirs
+            self._call("connect_pipe_in", self._call("open_pipe_out"))
 
     def _collect(self, timeout_s: float) -> list:
         """Every rank's reply to the last call, in rank order; RankFailed (and the group torn
@@ -143,11 +146,26 @@ class MultiprocExecutor(Executor):
                           timeout_s=START_TIMEOUT_S)[0]
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        return self._call("execute", sched)[0]
+        return self._call("execute", sched)[self.driver]
+
+    def submit(self, sched: SchedulerOutput) -> None:
+        """Broadcasts a step without waiting: with pipeline stages, stage 0 starts the next
+        step while the later stages finish this one."""
+        if self.failed is not None:
+            raise RankFailed(f"the worker group is down ({self.failed})")
+        self._inbox.put(("execute", (sched,), {}))
+
+    def collect(self) -> RunnerOutput:
+        return self._collect(self.timeout_s)[self.driver]  # every rank answers in order
 
     def describe(self) -> str:
-        text = self._call("describe")[0]
-        return f"{self.world} ranks in processes (mp executor); {text}"
+        """The layout (printed at start-up) and the driver's device half."""
+        layouts = self._call("layout")
+        comm = {"shm": "shared-memory all-reduce", "gloo": "gloo all-reduce"}[self.comm]
+        head = (f"{self.world} ranks in processes (mp executor): tensor parallel {self.tp}"
+                + (f" ({comm})" if self.tp > 1 else "") + f" x pipeline parallel {self.pp}")
+        ranks = "; ".join(f"rank {r}: {text}" for r, text in enumerate(layouts))
+        return f"{head}; {ranks}; {self._call('describe')[self.driver]}"
 
     def shutdown(self) -> None:
         self._finalizer()

@@ -6,8 +6,9 @@ whatever the executor broadcasts.
                                      result = getattr(worker, method)(*args)
     replies[r].recv()            <-  conn.send(Reply(ok, result, error))
 
-Every rank runs every call; only the driver's (rank 0's) result of ``execute`` is sent back
-(the others send an empty acknowledgement), so the executor learns of a failure on any rank.
+Every rank runs every call; only the driver's result of ``execute`` (tensor rank 0 of the last
+pipeline stage: the one that samples) is sent back, the others send an empty acknowledgement,
+so the executor learns of a failure on any rank.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class RankSpec:
     rank: int
     world_size: int
     tp_size: int
+    pp_size: int
     threads: int
     cpus: tuple[int, ...] | None
     """CPUs to pin this rank to (one rank per core keeps the spinning collectives off each
@@ -42,7 +44,7 @@ class RankSpec:
     tp_comm: str
     """shm or gloo."""
     shm_name: str | None = None
-    """The stage's shared-memory segment (tp_comm shm)."""
+    """The stage's tensor-parallel shared-memory segment (tp_comm shm)."""
     gloo_address: str | None = None
     """host:port of the torch.distributed store (tp_comm gloo)."""
     timeout_s: float = 120.0
@@ -50,6 +52,11 @@ class RankSpec:
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tp_size
+
+    @property
+    def stage(self) -> int:
+        """The pipeline stage: ranks are numbered stage by stage (rank = stage * tp + tp_rank)."""
+        return self.rank // self.tp_size
 
 
 @dataclass(frozen=True)
@@ -80,7 +87,7 @@ def make_worker(spec: RankSpec):
     import dataclasses
     from memwall.worker.worker import Worker
     args = dataclasses.replace(spec.args, threads=spec.threads)
-    return Worker(args, tp_comm=make_communicator(spec))
+    return Worker(args, tp_comm=make_communicator(spec), stage=(spec.stage, spec.pp_size))
 
 
 def call(worker, method: str, args: tuple, kwargs: dict, driver: bool) -> Reply:
@@ -134,11 +141,14 @@ def run_rank(spec: RankSpec, broadcast_handle, conn) -> None:
             method, args, kwargs = _next_call(inbox, parent)
             if method == SHUTDOWN:
                 break
-            conn.send(call(worker, method, args, kwargs, spec.rank == 0))
+            driver = spec.rank == spec.world_size - spec.tp_size  # samples: last stage, tp rank 0
+            conn.send(call(worker, method, args, kwargs, driver))
     except (EOFError, BrokenPipeError):
         pass  # the executor is gone: nothing to answer
     finally:
         comm = getattr(worker, "tp_comm", None)
         if comm is not None:
             comm.close()
+        if getattr(worker, "pipe", None) is not None:
+            worker.pipe.close()
         inbox.close()

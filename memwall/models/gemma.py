@@ -60,15 +60,19 @@ class GemmaModel(nn.Module):
         self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        # the scale rounded to the compute dtype first, as in transformers
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        if hidden is None:
+            x = self.embed_tokens(input_ids)  # [T, hidden]
+            # the scale rounded to the compute dtype first, as in transformers
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        else:  # a later pipeline stage: the previous stage's output
+            x = hidden
         ropes = (self.rotary.lookup(positions, x.dtype),
                  self.local_rotary.lookup(positions, x.dtype) if self.local_rotary else None)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, ropes, kv_cache, meta)
-        return self.norm(x)
+        return self.norm(x) if self.norm is not None else x
 
 
 class GemmaForCausalLM(LlamaForCausalLM):

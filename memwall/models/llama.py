@@ -114,12 +114,15 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden``: the previous pipeline stage's output instead of the embeddings; a stage
+        without the final norm (not the last) returns its layers' output."""
+        x = self.embed_tokens(input_ids) if hidden is None else hidden  # [T, hidden]
         rope = self.rotary.lookup(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, rope, kv_cache, meta)
-        return self.norm(x)
+        return self.norm(x) if self.norm is not None else x
 
 
 class LlamaForCausalLM(nn.Module):
@@ -139,9 +142,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, hidden] (logits are taken separately)."""
-        return self.model(input_ids, positions, kv_caches, meta)
+                kv_caches: list[KVCache], meta: AttentionMetadata,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden] (logits are taken separately).
+        ``hidden``: a pipeline stage's input from the stage before (memwall/distributed)."""
+        return self.model(input_ids, positions, kv_caches, meta, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [N, vocab]

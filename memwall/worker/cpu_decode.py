@@ -44,13 +44,17 @@ class FusedCpuDecode:
                 and (self.max_len is None or max(attn.seq_lens) <= self.max_len))
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            attn: AttentionMetadata) -> torch.Tensor:
-        """hidden [B, hidden] after the final norm, like the model's forward. The LoRA slot of
-        each sequence is the one the runner set for the step (``LoRASlots.set_step``: one token
-        per sequence, in batch order, which is the C step's row order)."""
+            attn: AttentionMetadata, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [B, hidden] after the final norm, like the model's forward (``hidden``: a
+        pipeline stage's input from the stage before, instead of the embeddings). The LoRA slot
+        of each sequence is the one the runner set for the step (``LoRASlots.set_step``: one
+        token per sequence, in batch order, which is the C step's row order)."""
         batch = attn.decode
-        embeddings = self.model.model.embed_tokens(input_ids)  # [B, hidden]
-        if self.embed_scale is not None:  # Gemma, as its forward scales them
+        if hidden is not None:
+            embeddings = hidden.float().contiguous()  # [B, hidden]; the step overwrites it
+        else:
+            embeddings = self.model.model.embed_tokens(input_ids)  # [B, hidden]
+        if hidden is None and self.embed_scale is not None:  # Gemma, as its forward scales them
             embeddings = embeddings * torch.tensor(self.embed_scale, dtype=embeddings.dtype)
         lora = getattr(self.model, "lora_slots", None)
         return self.decoder.step(embeddings, positions, attn.slot_mapping, batch.seq_lens,

@@ -162,9 +162,13 @@ class CudaGraphRunner:
                 and attn.block_tables.shape[1] <= self.buffers.max_blocks)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            attn: AttentionMetadata) -> torch.Tensor:
+            attn: AttentionMetadata, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Replays the bucket's graph on this step's decodes: hidden [n, hidden] (a view of the
-        graph's output buffer, valid until the next replay)."""
+        graph's output buffer, valid until the next replay). The graphs start from token ids:
+        a later pipeline stage (``hidden``) is not captured."""
+        if hidden is not None:
+            raise ValueError("CUDA graphs do not run pipeline stages after the first; use "
+                             "--enforce-eager with pipeline parallel on cuda")
         n = len(attn.decode_seq_ids)
         bucket = bucket_for(n, self.buckets)
         seq_lens = torch.tensor(attn.seq_lens, dtype=torch.int32).to(self.device, non_blocking=True)

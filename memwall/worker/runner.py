@@ -63,6 +63,9 @@ class ModelRunner:
                             if plan.num_swap_blocks else [])
         self.sampler = Sampler()
         self.lora = lora
+        self.pipe = None
+        """A pipeline stage's connections (memwall/distributed/pipeline.py PipeEnds); None:
+        the whole model runs here."""
         self._generators: dict[str, torch.Generator] = {}
         torch.manual_seed(seed)  # the shared generator used by unseeded requests (every device)
         self.fast_path = None  # a CudaGraphRunner or a FusedCpuDecode: decode-only steps
@@ -175,11 +178,16 @@ class ModelRunner:
                                                 inputs.block_tables, inputs.slot_mapping,
                                                 self.block_size)
         lora_active = self._prepare_lora(sched)
+        pipe = self.pipe  # pipeline parallel: this stage's input and output hidden states
+        incoming = pipe.receive() if pipe is not None and pipe.incoming is not None else None
         if (self.fast_path is not None and self.fast_path.can_run(attn)
                 and (not lora_active or getattr(self.fast_path, "runs_lora", False))):
-            hidden = self.fast_path.run(inputs.input_ids, inputs.positions, attn)
+            hidden = self.fast_path.run(inputs.input_ids, inputs.positions, attn, incoming)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn, incoming)
+        if pipe is not None and pipe.outgoing is not None:
+            pipe.send(hidden)  # [T, hidden] to the next stage, which samples (or passes it on)
+            return out
         logits = self.model.compute_logits(hidden[inputs.logit_token_index])  # [rows, vocab]
         if inputs.sampling_ids:
             self._sample(logits[: len(inputs.sampling_ids)], inputs.sampling_ids, sched, out)

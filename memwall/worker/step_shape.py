@@ -90,6 +90,7 @@ def _pass_seconds(model: nn.Module, projections: list[nn.Module], tokens: int,
     head), after one warm-up pass of at most WARMUP_TOKENS rows (threads started, first-call
     allocations made: a full-size warm-up doubled a 1.5B model's start-up measurement)."""
     width = {m.in_features for m in projections}
+    with_head = with_head and getattr(model, "lm_head", None) is not None  # a pipeline stage may lack it
     if with_head:
         width.add(model.config.hidden_size)
     inputs = {k: torch.randn(tokens, k) for k in width}

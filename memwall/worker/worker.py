@@ -32,6 +32,7 @@ from memwall.worker.step_shape import StepShape, measure as measure_step_shape
 
 if TYPE_CHECKING:
     from memwall.distributed.communicator import Communicator
+    from memwall.distributed.pipeline import PipeEnds, PipelineStage
     from memwall.lora.worker_lora import WorkerLoRA
 
 logger = logging.getLogger("memwall")
@@ -60,12 +61,16 @@ class ModelInfo:
 
 class Worker:
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None,
-                 tp_comm: "Communicator | None" = None) -> None:
+                 tp_comm: "Communicator | None" = None, stage: tuple[int, int] = (0, 1)) -> None:
         """``loaded``: a model already in memory (tests, benchmarks); else ``args.model`` loads.
-        ``tp_comm``: this rank's tensor-parallel group (memwall/distributed): the model is cut
-        to the rank's share after loading."""
+        ``tp_comm``: this rank's tensor-parallel group, ``stage``: (index, stages) of its
+        pipeline stage (memwall/distributed): the model is cut to the rank's share after
+        loading."""
         self.args = args
         self.tp_comm = tp_comm
+        self.stage_index, self.num_stages = stage
+        self.stage: "PipelineStage | None" = None
+        self.pipe: "PipeEnds | None" = None
         self.arch: ModelArchConfig | None = None
         """The model's shape as this worker holds it (a tensor-parallel rank's heads, KV heads
         and MLP columns): what its KV cache and kernels are sized by."""
@@ -88,6 +93,13 @@ class Worker:
                                      quantization=loader_quantization(self.args.quantization))
         self.model = place_model(self.loaded.model, dev, self.args.quantization)
         self.arch = self.loaded.arch
+        if self.num_stages > 1:
+            from memwall.distributed.pipeline import PipelineStage, cut_stage, stage_layers
+            bounds = stage_layers(self.arch, self.num_stages)[self.stage_index]
+            self.stage = PipelineStage(self.stage_index, self.num_stages, bounds)
+            self.arch = cut_stage(self.model, self.stage)
+            if self.pipe is not None:
+                self.pipe.stage = self.stage
         if self.tp_comm is not None and self.tp_comm.size > 1:
             from memwall.distributed.tensor_parallel import shard_model
             self.arch = shard_model(self.model, self.tp_comm)
@@ -140,6 +152,28 @@ class Worker:
                                   self.args.speculative(), self.draft, self.lora)
         if self.lora is not None:
             self.lora.kv_caches = self.runner.kv_caches
+        self.runner.pipe = self.pipe
+
+    # ---- pipeline parallel: connecting the stages (before load_model) ----
+    def open_pipe_out(self):
+        """The ring this rank sends its hidden states to the next stage through; returns the
+        handle the next stage's rank connects with (None on the last stage)."""
+        from memwall.distributed.pipeline import PipeEnds, StagePipe
+        timeout = self.args.parallel_config().comm_timeout_s
+        self.pipe = self.pipe or PipeEnds(None, timeout_s=timeout)
+        if self.stage_index == self.num_stages - 1:
+            return None
+        self.pipe.outgoing = StagePipe.open_sender()
+        return self.pipe.outgoing.handle()
+
+    def connect_pipe_in(self, handles: list) -> None:
+        """``handles[rank]``: every rank's ``open_pipe_out`` answer; this rank reads from the
+        same tensor-parallel rank of the stage before."""
+        from memwall.distributed.pipeline import StagePipe
+        if self.stage_index > 0:
+            tp = self.args.parallel_config().tensor_parallel_size
+            tp_rank = self.tp_comm.rank if self.tp_comm is not None else 0
+            self.pipe.incoming = StagePipe.connect(handles[(self.stage_index - 1) * tp + tp_rank])
 
     def _make_lora(self) -> "WorkerLoRA | None":
         """With --enable-lora: slots for max_loras adapters, the model's projections wrapped
@@ -187,10 +221,16 @@ class Worker:
         parts.append(f"KV cache {kv_name}" + (" (auto)" if dev.kv_cache_dtype == "auto" else ""))
         if self.gpu_memory is not None:
             parts.append(self.gpu_memory.describe())
-        if self.tp_comm is not None and self.tp_comm.size > 1:
-            parts.append(f"tensor parallel {self.tp_comm.size} ({self.tp_comm.describe()}); "
-                         f"{self.model.tp_shard.describe()}")
         return "; ".join(p for p in parts if p)
+
+    def layout(self) -> str:
+        """This rank's share of the model: its pipeline stage and tensor-parallel shard."""
+        parts = []
+        if self.stage is not None:
+            parts.append(self.stage.describe())
+        if self.tp_comm is not None and self.tp_comm.size > 1:
+            parts.append(self.model.tp_shard.describe())
+        return ", ".join(parts)
 
 
 def default_threads() -> int:

@@ -97,7 +97,7 @@ typedef struct {
     int64_t kv_type;        /* MW_KV_* of kernels.h */
     float eps, scale;
     const mw_layer* layers;
-    const float* final_norm;
+    const float* final_norm;  /* NULL: return the last layer's output (a pipeline stage) */
     int64_t act;            /* the gate's activation: MW_ACT_SILU or MW_ACT_GELU_TANH */
     int64_t max_rank;       /* LoRA: rank rows per slot (the a/bt row stride of a slot) */
     int64_t n_slots;        /* LoRA slots (0: the model was described without LoRA) */
@@ -479,7 +479,8 @@ static int check_inputs(const mw_model* m, int64_t B, const int64_t* positions,
     return mw_check_tables(block_tables, table_width, seq_lens, B, m->block_size, m->n_blocks);
 }
 
-/* x: [B, hidden], in: the token embeddings; out: the final-normed hidden states.
+/* x: [B, hidden], in: the token embeddings (a later pipeline stage: the previous stage's
+ * output); out: the final-normed hidden states (without final_norm: the last layer's output).
  * positions, slots, seq_lens: [B]; block_tables: [B, table_width];
  * rope_cos, rope_sin: [max_positions, head_dim / 2]; token_slots: [B] each token's LoRA slot
  * (-1: none), or NULL: no LoRA this step. Returns MW_OK (B = 0 does nothing), or an error of
@@ -552,7 +553,7 @@ int mw_decode_step(const mw_model* m, float* x, int64_t B, const int64_t* positi
                          rms_norm(h + b * Hd, L->ffn_out_norm, h + b * Hd, Hd, m->eps));
         STAGE(0, for (int64_t i = 0; i < B * Hd; i++) x[i] += h[i]);
     }
-    if (rc == MW_OK)
+    if (rc == MW_OK && m->final_norm)  /* NULL: a pipeline stage before the last */
         for (int64_t b = 0; b < B; b++) rms_norm(x + b * Hd, m->final_norm, x + b * Hd, Hd, m->eps);
     free(h); free(big); free(attn); free(act); free(tmp); free(qbuf);
     lora_step_free(&lora);

@@ -210,7 +210,11 @@ class NativeDecoder:
             entry.v_cache, entry.v_scale = _cache_ptrs(v_cache)
         rotary = inner.rotary
         rope_cos, rope_sin = rotary.cos.float().contiguous(), rotary.sin.float().contiguous()
-        eps = {layer.input_layernorm.eps for layer in inner.layers} | {inner.norm.eps}
+        eps = {layer.input_layernorm.eps for layer in inner.layers}
+        final_norm = None  # a pipeline stage before the last has none (memwall/distributed)
+        if inner.norm is not None:
+            eps.add(inner.norm.eps)
+            final_norm = _ptr(inner.norm.weight)
         if len(eps) != 1:
             raise Unsupported("layers with different norm epsilons")
         if len(geometry) > 1:
@@ -220,7 +224,7 @@ class NativeDecoder:
                       cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
                       cache_shape[1], cache_shape[0], rope_cos.shape[0],
                       kv_quant.NATIVE_CODES[kv_dtype], eps.pop(),
-                      inner.layers[0].self_attn.scale, layers, _ptr(inner.norm.weight),
+                      inner.layers[0].self_attn.scale, layers, final_norm,
                       ACTIVATIONS[cfg.hidden_act], max_rank, n_slots)
         comm = getattr(net, "tp_comm", None)  # tensor parallel: memwall/distributed
         if comm is not None:

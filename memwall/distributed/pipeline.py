@@ -1,0 +1,161 @@
+"""Pipeline parallel: each stage holds a contiguous run of layers; hidden states go from one
+stage to the next; the engine core keeps one step a stage in flight (each of other requests),
+so stage 0 runs step k+1 while stage 1 runs step k.
+
+    stage 0: embed, layers [0, a)  ── hidden [T, H] ──>  stage 1: layers [a, L), norm, LM head,
+                                     (a shared-memory ring      sample -> RunnerOutput
+                                      per stage boundary)
+
+Layers are split to balance each stage's weights, the LM head counted with the last stage (a
+49k-row head weighs as much as 8 of SmolLM2's 30 layers; decode reads all of it every step).
+Every stage receives every SchedulerOutput and keeps the same per-request rows; only the last
+samples. A stage is a transformation of the loaded model (``cut_stage``), as tensor parallel is,
+and composes with it: a stage's layers may be cut again across its tensor-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from memwall.config import ModelArchConfig
+
+PIPE_SLOT_BYTES = 8 << 20  # a 2048-token chunk of a 1024-wide model; larger ones spill to a segment
+PIPE_SLOTS = 4
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    index: int
+    size: int
+    layers: tuple[int, int]
+    """[start, stop) of the model's layers this stage holds."""
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.size - 1
+
+    def describe(self) -> str:
+        extra = [w for w, on in (("embedding", self.first), ("LM head", self.last)) if on]
+        return (f"pipeline stage {self.index} of {self.size}: layers {self.layers[0]}-"
+                f"{self.layers[1] - 1}" + (f" + {' and '.join(extra)}" if extra else ""))
+
+
+def layer_cost(arch: ModelArchConfig) -> int:
+    """Weights a token reads in one decoder layer (attention projections and the MLP)."""
+    d = arch.head_dim
+    attn = arch.hidden_size * d * (2 * arch.num_attention_heads + 2 * arch.num_key_value_heads)
+    return attn + 3 * arch.hidden_size * arch.intermediate_size
+
+
+def stage_layers(arch: ModelArchConfig, stages: int) -> list[tuple[int, int]]:
+    """Contiguous layer ranges, one per stage, minimizing the heaviest stage (the LM head's
+    weights counted with the last); every stage gets at least one layer."""
+    n = arch.num_hidden_layers
+    if stages > n:
+        raise ValueError(f"{stages} pipeline stages need at least {stages} layers; this model "
+                         f"has {n}: use pipeline_parallel_size <= {n}")
+    unit, head = layer_cost(arch), arch.vocab_size * arch.hidden_size
+    # best[s][i]: the smallest possible heaviest stage when stages s.. hold layers i..n-1
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[stages][n] = 0
+    for s in range(stages - 1, -1, -1):
+        for i in range(n - (stages - s), -1, -1):
+            for j in range(i + 1, n - (stages - s - 1) + 1):
+                cost = (j - i) * unit + (head if s == stages - 1 else 0)
+                worst = max(cost, best[s + 1][j])
+                if worst < best[s][i]:
+                    best[s][i], cut[s][i] = worst, j
+    bounds, start = [], 0
+    for s in range(stages):
+        stop = cut[s][start]
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def cut_stage(net: nn.Module, stage: PipelineStage) -> ModelArchConfig:
+    """Keeps only ``stage``'s layers of a loaded model (the embedding on the first stage, the
+    final norm and LM head on the last); returns the stage's arch (its layer count)."""
+    cfg: ModelArchConfig = net.config
+    start, stop = stage.layers
+    inner = net.model
+    inner.layers = nn.ModuleList(list(inner.layers)[start:stop])
+    if not stage.first:
+        inner.embed_tokens = None
+    if not stage.last:
+        inner.norm = None
+        net.lm_head = None
+    types = cfg.layer_types[start:stop] if cfg.layer_types is not None else None
+    local = dataclasses.replace(cfg, num_hidden_layers=stop - start, layer_types=types)
+    net.config = local
+    net.pipeline_stage = stage
+    return local
+
+
+class StagePipe:
+    """Hidden states from one stage's rank to the same tensor-parallel rank of the next:
+    a one-reader shared-memory ring (memwall/distributed/shm_broadcast.py)."""
+
+    def __init__(self, ring, sending: bool) -> None:
+        self.ring, self.sending = ring, sending
+
+    @classmethod
+    def open_sender(cls) -> "StagePipe":
+        from memwall.distributed.shm_broadcast import ShmBroadcast
+        return cls(ShmBroadcast(1, slot_bytes=PIPE_SLOT_BYTES, n_slots=PIPE_SLOTS), True)
+
+    @classmethod
+    def connect(cls, handle) -> "StagePipe":
+        from memwall.distributed.shm_broadcast import ShmBroadcast
+        return cls(ShmBroadcast.attach(handle, 0), False)
+
+    def handle(self):
+        return self.ring.handle()
+
+    def send(self, hidden: torch.Tensor, timeout: float | None = None) -> None:
+        self.ring.put(hidden.detach().float().contiguous().numpy(), timeout=timeout)  # [T, H]
+
+    def receive(self, timeout: float | None = None) -> torch.Tensor:
+        array = self.ring.get(timeout=timeout)
+        if not array.flags.writeable:
+            array = np.array(array)
+        return torch.from_numpy(array)  # [T, H] float32
+
+    def close(self) -> None:
+        self.ring.close()
+
+
+@dataclass
+class PipeEnds:
+    """A stage's connections: from the previous stage (not on the first), to the next (not on
+    the last)."""
+
+    stage: PipelineStage
+    incoming: StagePipe | None = None
+    outgoing: StagePipe | None = None
+    timeout_s: float | None = None
+
+    def receive(self) -> torch.Tensor:
+        return self.incoming.receive(self.timeout_s)
+
+    def send(self, hidden: torch.Tensor) -> None:
+        self.outgoing.send(hidden, self.timeout_s)
+
+    def close(self) -> None:
+        for pipe in (self.incoming, self.outgoing):
+            if pipe is not None:
+                pipe.close()
+
+
+__all__ = ["PipelineStage", "stage_layers", "cut_stage", "StagePipe", "PipeEnds", "layer_cost"]
