@@ -16,6 +16,7 @@ and composes with it: a stage's layers may be cut again across its tensor-parall
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -145,9 +146,15 @@ class PipeEnds:
     incoming: StagePipe | None = None
     outgoing: StagePipe | None = None
     timeout_s: float | None = None
+    wait_s: float = 0.0
+    """Seconds spent waiting for the stage before (the pipeline's bubble, seen from here)."""
 
     def receive(self) -> torch.Tensor:
-        return self.incoming.receive(self.timeout_s)
+        start = time.perf_counter()
+        try:
+            return self.incoming.receive(self.timeout_s)
+        finally:
+            self.wait_s += time.perf_counter() - start
 
     def send(self, hidden: torch.Tensor) -> None:
         self.outgoing.send(hidden, self.timeout_s)

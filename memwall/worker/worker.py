@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -69,6 +70,7 @@ class Worker:
         self.args = args
         self.tp_comm = tp_comm
         self.stage_index, self.num_stages = stage
+        self.busy_s = 0.0
         self.stage: "PipelineStage | None" = None
         self.pipe: "PipeEnds | None" = None
         self.arch: ModelArchConfig | None = None
@@ -211,7 +213,16 @@ class Worker:
         return measure_step_shape(self.model, max_num_seqs, block_size)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        return self.runner.execute(sched)
+        start = time.perf_counter()
+        try:
+            return self.runner.execute(sched)
+        finally:
+            self.busy_s += time.perf_counter() - start
+
+    def busy_seconds(self) -> float:
+        """Seconds this worker has computed steps (not counting a pipeline stage's waits for
+        the stage before): 1 - busy / wall is its idle share, the pipeline's bubble."""
+        return self.busy_s - (self.pipe.wait_s if self.pipe is not None else 0.0)
 
     def describe(self) -> str:
         """The device half of the start-up line."""

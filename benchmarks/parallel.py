@@ -1,0 +1,167 @@
+"""Parallelism on one CPU box: tensor, pipeline and data parallel against one engine, one run.
+
+    python benchmarks/parallel.py [--model GGUF] [--output-len 128] [--runs 3]
+
+Every setting is a `memwall serve` pinned to the same cores (2 here): the baseline is one
+engine with two threads; the parallel settings run one thread a rank (or a replica):
+
+    tp1        one engine, 2 threads                               (the baseline)
+    tp2        --tensor-parallel-size 2, shared-memory all-reduce  (1 thread a rank)
+    tp2-gloo   the same with torch.distributed's gloo all-reduce
+    pp2        --pipeline-parallel-size 2, one step a stage in flight
+    dp2        --data-parallel-size 2, requests routed by prefix affinity and load
+
+Output tokens/s at concurrency 1 and 16 (random 32-token prompts, greedy, ignore_eos), the
+median of --runs runs each, and the ratio to tp1. Also:
+* pp2's bubble: the share of the wall time its stages sat idle at c=16, measured in process
+  (offline LLM) from each stage's busy seconds;
+* dp2 vs tp1 on the chat workload of benchmarks/prefix.py (multi-turn ShareGPT conversations,
+  each turn resending the whole history) at c=16: the prefix-cache hit rate and throughput.
+JSON goes to benchmarks/results/parallel-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.cpu import cpu_model  # noqa: E402
+from benchmarks.datasets import GGUFTokenizer, sample_random  # noqa: E402
+from benchmarks.loadgen import LoadConfig, run_load  # noqa: E402
+from benchmarks.metrics import summarize  # noqa: E402
+from benchmarks.prefix import cache_counters, chat_workload, replay  # noqa: E402
+from benchmarks.report import write_result  # noqa: E402
+from benchmarks.servers import ManagedServer, ServerCommand, embedded_gguf, free_port, pin_prefix  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+CORES = 2
+SETTINGS = {
+    "tp1": ["--threads", "2"],
+    "tp2": ["--threads", "1", "--tensor-parallel-size", "2"],
+    "tp2-gloo": ["--threads", "1", "--tensor-parallel-size", "2", "--tp-comm", "gloo"],
+    "pp2": ["--threads", "1", "--pipeline-parallel-size", "2"],
+    "dp2": ["--threads", "1", "--data-parallel-size", "2"],
+}
+
+
+def serve_command(model: Path, port: int, extra: list[str]) -> ServerCommand:
+    exe = REPO / ".venv" / "bin" / "memwall"
+    argv = [str(exe) if exe.exists() else "memwall", "serve", str(model), "--host", "127.0.0.1",
+            "--port", str(port), "--max-num-seqs", "16", "--max-model-len", "4096",
+            "--no-show-progress", *extra]
+    return ServerCommand("memwall", pin_prefix(CORES) + argv)
+
+
+def throughput(base_url: str, requests, concurrency: int) -> float:
+    cfg = LoadConfig(base_url=base_url, concurrency=concurrency, ignore_eos=True)
+    results, duration = asyncio.run(run_load(cfg, requests))
+    summary = summarize(results, duration)
+    if summary.failed:
+        raise RuntimeError(f"{summary.failed} requests failed: {results[0].error}")
+    return summary.output_throughput
+
+
+def run_setting(name: str, args, tok) -> dict:
+    port = free_port()
+    out: dict = {"args": SETTINGS[name]}
+    with ManagedServer(serve_command(args.model, port, SETTINGS[name]), port) as server:
+        warm = sample_random(tok, 4, 32, 8, seed=99)
+        throughput(server.base_url, warm, 4)
+        for concurrency in (1, 16):
+            count = 2 if concurrency == 1 else 32
+            rates = []
+            for run in range(args.runs):
+                requests = sample_random(tok, count, 32, args.output_len, seed=run)
+                rates.append(throughput(server.base_url, requests, concurrency))
+            out[f"c{concurrency}_runs"] = rates
+            out[f"c{concurrency}"] = statistics.median(rates)
+            print(f"  {name} c={concurrency}: {out[f'c{concurrency}']:.1f} out tok/s "
+                  f"(runs {', '.join(f'{r:.1f}' for r in rates)})", file=sys.stderr, flush=True)
+        if name in ("tp1", "dp2") and not args.skip_chat:
+            out["chat"] = chat_run(server.base_url, args, tok)
+    return out
+
+
+def chat_run(base_url: str, args, tok) -> dict:
+    convs = chat_workload(tok, args.conversations, 3, 3000, 64, seed=1)
+    before = cache_counters(base_url)
+    results, duration = asyncio.run(replay(base_url, convs, 16, 64))
+    after = cache_counters(base_url)
+    queries = after.get("queries", 0) - before.get("queries", 0)
+    hits = after.get("hits", 0) - before.get("hits", 0)
+    summary = summarize(results, duration)
+    chat = {"requests": len(results), "failed": summary.failed,
+            "output_tok_s": summary.output_throughput,
+            "hit_rate": hits / queries if queries else 0.0}
+    print(f"  chat: {chat}", file=sys.stderr, flush=True)
+    return chat
+
+
+def pipeline_bubble(args, tok) -> dict:
+    """pp2 in process at c=16: each stage's idle share of the wall time."""
+    from memwall import LLM, SamplingParams
+
+    llm = LLM(str(args.model), pipeline_parallel_size=2, threads=1, max_num_seqs=16)
+    try:
+        params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+        prompts = [r.prompt for r in sample_random(tok, 16, 32, 8, seed=5)]
+        llm.generate(prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True))
+        executor = llm.engine.core.executor
+        before = executor._call("busy_seconds")
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        wall = time.perf_counter() - start
+        busy = [b - a for a, b in zip(before, executor._call("busy_seconds"))]
+    finally:
+        llm.shutdown()
+    idle = [1 - b / wall for b in busy]
+    result = {"wall_s": wall, "stage_busy_s": busy, "stage_idle": idle,
+              "bubble": statistics.mean(idle)}
+    print(f"  pp2 bubble at c=16: {result['bubble']:.1%} (stages idle "
+          f"{', '.join(f'{i:.1%}' for i in idle)})", file=sys.stderr, flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--conversations", type=int, default=48)
+    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--skip-chat", action="store_true")
+    args = parser.parse_args()
+    args.model = args.model or embedded_gguf()
+    tok = GGUFTokenizer(args.model)
+    names = args.settings.split(",")
+    results = {name: run_setting(name, args, tok) for name in names}
+    bubble = pipeline_bubble(args, tok) if "pp2" in names else None
+    base = results.get("tp1")
+    print(f"\nCPU: {cpu_model()}, {CORES} cores; model {args.model.name}; {args.output_len} "
+          f"output tokens; median of {args.runs} runs")
+    print(f"{'setting':<10} {'c=1 tok/s':>10} {'ratio':>6} {'c=16 tok/s':>11} {'ratio':>6}")
+    for name, r in results.items():
+        ratios = [r[k] / base[k] if base else float("nan") for k in ("c1", "c16")]
+        print(f"{name:<10} {r['c1']:>10.1f} {ratios[0]:>6.2f} {r['c16']:>11.1f} {ratios[1]:>6.2f}")
+    if bubble:
+        print(f"pp2 bubble at c=16: {bubble['bubble']:.1%} of the stages' time idle")
+    for name in ("tp1", "dp2"):
+        chat = results.get(name, {}).get("chat")
+        if chat:
+            print(f"chat workload c=16, {name}: hit rate {chat['hit_rate']:.3f}, "
+                  f"{chat['output_tok_s']:.1f} out tok/s")
+    path = write_result("parallel", {"cpu": cpu_model(), "cores": CORES, "model": args.model.name,
+                                     "output_len": args.output_len, "runs": args.runs,
+                                     "settings": results, "pp2_bubble": bubble})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
