@@ -85,6 +85,29 @@ def stage_layers(arch: ModelArchConfig, stages: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def stage_of(index: int, size: int, arch: ModelArchConfig) -> PipelineStage:
+    return PipelineStage(index, size, stage_layers(arch, size)[index])
+
+
+def stage_tensors(index: int, size: int):
+    """For the loader (``load_model(part=...)``): given the model's arch, which checkpoint
+    tensors stage ``index`` of ``size`` holds; the loader reads no others."""
+    def wanted_of(arch: ModelArchConfig):
+        stage = stage_of(index, size, arch)
+        start, stop = stage.layers
+
+        def wanted(name: str) -> bool:
+            if name.startswith("model.layers."):
+                return start <= int(name.split(".")[2]) < stop
+            if name.startswith("model.embed_tokens."):  # a tied head reads the same table
+                return stage.first or (stage.last and arch.tie_word_embeddings)
+            if name.startswith(("lm_head.", "model.norm.")):
+                return stage.last
+            return True
+        return wanted
+    return wanted_of
+
+
 def cut_stage(net: nn.Module, stage: PipelineStage) -> ModelArchConfig:
     """Keeps only ``stage``'s layers of a loaded model (the embedding on the first stage, the
     final norm and LM head on the last); returns the stage's arch (its layer count)."""

@@ -11,7 +11,7 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -58,10 +58,14 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 def load_model(model: str | os.PathLike | None, dtype: str = "float32",
                tokenizer_path: str | None = None, progress: bool = False,
-               quantization: str = "auto") -> LoadedModel:
+               quantization: str = "auto",
+               part: "Callable[[ModelArchConfig], Callable[[str], bool]] | None" = None
+               ) -> LoadedModel:
     """``quantization``: "auto" keeps a GGUF file's quantized weights quantized in memory (a
     float checkpoint stays float); "none" dequantizes everything to ``dtype``; "int8"/"int4"
-    also quantize the float Linear weights at load time (memwall/quant)."""
+    also quantize the float Linear weights at load time (memwall/quant). ``part(arch)``: which
+    tensors (by HF name) this process holds, e.g. a pipeline stage's layers; the others are
+    never read, and their modules stay unfilled (no memory) for the caller to drop."""
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"unknown quantization {quantization!r}; use one of "
                              f"{', '.join(QUANTIZATIONS)}")
@@ -69,14 +73,17 @@ def load_model(model: str | os.PathLike | None, dtype: str = "float32",
         path = resolve_model_path(model)
         torch_dtype = DTYPES[dtype]
         if path.is_file():
-            arch, tensors, tokenizer, count, packed = _open_gguf(path, torch_dtype, quantization)
+            arch, tensors, tokenizer, count, packed = _open_gguf(path, torch_dtype, quantization, part)
         else:
-            arch, tensors, tokenizer, count, packed = _open_hf_dir(path, torch_dtype, quantization)
+            arch, tensors, tokenizer, count, packed = _open_hf_dir(path, torch_dtype, quantization, part)
         if tokenizer_path is not None:
             tokenizer = Tokenizer.from_pretrained(tokenizer_path)
         net = _build_unfilled(arch, torch_dtype)
-        net.load_weights(_with_progress(tensors, count, progress, path.name),
-                         absent=[f"{module}.weight" for module in packed])
+        wanted = part(arch) if part is not None else None
+        absent = [f"{module}.weight" for module in packed]
+        if wanted is not None:
+            absent += [name for name, _ in net.named_parameters() if not wanted(name)]
+        net.load_weights(_with_progress(tensors, count, progress, path.name), absent=absent)
         method = quantization if quantization in ("int8", "int4") else None
         if packed or method:
             from memwall.quant.transform import quantize_model
@@ -175,36 +182,52 @@ def _no_init(self: nn.Module) -> None:
     pass
 
 
-def _open_gguf(path: Path, dtype: torch.dtype, quantization: str):
+class _Skip:
+    """The tensor names a reader leaves out: weights kept quantized, and those this process
+    does not hold (``wanted`` says no)."""
+
+    def __init__(self, quantized: set[str], wanted: "Callable[[str], bool] | None") -> None:
+        self.quantized, self.wanted = quantized, wanted
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.quantized or (self.wanted is not None and not self.wanted(name))
+
+
+def _open_gguf(path: Path, dtype: torch.dtype, quantization: str, part=None):
     from memwall.loader.gguf_loader import (gguf_hf_config, hf_tensor_name, iter_gguf_tensors,
                                             open_gguf)
 
     reader = open_gguf(path)  # metadata only: tensors are read one at a time as they load
     hf_cfg = gguf_hf_config(reader)
     arch = ModelArchConfig.from_hf_dict(hf_cfg)
+    wanted = part(arch) if part is not None else None
     tokenizer = Tokenizer.from_gguf(reader)
     packed = {}
     if quantization != "none":  # quantized Linears, and the embedding when it can stay quantized
         from memwall.quant.gguf_repack import gguf_quantized_linears
-        packed = gguf_quantized_linears(reader, hf_cfg)
-    skip = {f"{module}.weight" for module in packed}
+        packed = gguf_quantized_linears(reader, hf_cfg, wanted=wanted)
+    skip = _Skip({f"{module}.weight" for module in packed}, wanted)
     tensors = iter_gguf_tensors(reader, hf_cfg, dtype, skip=skip)
     names = [hf_tensor_name(t.name) for t in reader.tensors]
     count = sum(name is not None and name not in skip for name in names)
     return arch, tensors, tokenizer, count, packed
 
 
-def _open_hf_dir(path: Path, dtype: torch.dtype, quantization: str):
+def _open_hf_dir(path: Path, dtype: torch.dtype, quantization: str, part=None):
     from memwall.loader.hf_loader import iter_hf_tensors, read_hf_config
 
     cfg = read_hf_config(path)
     arch = ModelArchConfig.from_hf_dict(cfg)
+    wanted = part(arch) if part is not None else None
     tokenizer = Tokenizer.from_pretrained(str(path))
     if cfg.get("quantization_config"):  # AWQ / GPTQ int4 or FP8 (memwall/loader/hf_quantized.py)
         from memwall.loader.hf_quantized import open_quantized
         tensors, packed = open_quantized(path, cfg, arch, dtype, quantization)
+        if wanted is not None:  # read whole, then dropped: this format's reader reads them all
+            packed = {m: w for m, w in packed.items() if wanted(f"{m}.weight")}
+            tensors = ((n, t) for n, t in tensors if wanted(n))
         return arch, tensors, tokenizer, None, packed
-    return arch, iter_hf_tensors(path, dtype), tokenizer, None, {}
+    return arch, iter_hf_tensors(path, dtype, skip=_Skip(set(), wanted)), tokenizer, None, {}
 
 
 def _with_progress(tensors: Iterator, total: int | None, show: bool, label: str) -> Iterator:

@@ -284,8 +284,8 @@ def use_native(backend: str) -> bool:
 # --------------------------------------------------------------------------- a whole file
 
 def gguf_quantized_linears(reader: Any, config: dict[str, Any], include_lm_head: bool = True,
-                           backend: str = "auto",
-                           include_embedding: bool = True) -> dict[str, QuantWeights]:
+                           backend: str = "auto", include_embedding: bool = True,
+                           wanted: Any = None) -> dict[str, QuantWeights]:
     """``{module name: QuantWeights}`` for every quantized Linear weight of a GGUF file, and
     for the token embedding when ``include_embedding`` and a ``QuantEmbedding`` can hold it.
 
@@ -295,7 +295,8 @@ def gguf_quantized_linears(reader: Any, config: dict[str, Any], include_lm_head:
     weights are left out: they load as floats and stay ``nn.Linear``/``nn.Embedding``. q/k rows
     are un-permuted for llama/mistral, as ``iter_gguf_tensors`` does for the float path.
     ``backend``: see ``repack``. Tensors are read and repacked one at a time, so the peak is
-    the result plus one tensor's transients.
+    the result plus one tensor's transients. ``wanted(hf_name)`` False: the tensor is not read
+    (another pipeline stage's layer).
     """
     from memwall.quant.embedding import QuantEmbedding
     from memwall.quant.transform import EMBEDDING
@@ -305,6 +306,8 @@ def gguf_quantized_linears(reader: Any, config: dict[str, Any], include_lm_head:
     for t in reader.tensors:
         module = _quantized_module(t.name, tied, include_lm_head, include_embedding)
         if module is None or QType(t.tensor_type) not in REPACKABLE:
+            continue
+        if wanted is not None and not wanted(hf_tensor_name(t.name)):
             continue
         weights = repack(_raw_rows(t, module, config), t.tensor_type,
                          tuple(int(d) for d in reversed(t.shape.tolist())), backend)

@@ -90,15 +90,19 @@ class Worker:
         torch.set_num_threads(self.args.threads or default_threads())
         dev = self.device_config
         if self.loaded is None:
+            part = None
+            if self.num_stages > 1:  # a pipeline stage reads only its own layers' tensors
+                from memwall.distributed.pipeline import stage_tensors
+                part = stage_tensors(self.stage_index, self.num_stages)
             self.loaded = load_model(self.args.model, dev.dtype, self.args.tokenizer,
                                      progress=self.args.show_progress,
-                                     quantization=loader_quantization(self.args.quantization))
+                                     quantization=loader_quantization(self.args.quantization),
+                                     part=part)
         self.model = place_model(self.loaded.model, dev, self.args.quantization)
         self.arch = self.loaded.arch
         if self.num_stages > 1:
-            from memwall.distributed.pipeline import PipelineStage, cut_stage, stage_layers
-            bounds = stage_layers(self.arch, self.num_stages)[self.stage_index]
-            self.stage = PipelineStage(self.stage_index, self.num_stages, bounds)
+            from memwall.distributed.pipeline import cut_stage, stage_of
+            self.stage = stage_of(self.stage_index, self.num_stages, self.arch)
             self.arch = cut_stage(self.model, self.stage)
             if self.pipe is not None:
                 self.pipe.stage = self.stage

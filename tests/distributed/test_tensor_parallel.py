@@ -106,3 +106,36 @@ def test_plan_of_the_embedded_model_shape():
     assert [s.q_heads for s in shards] == [(0, 6), (6, 9)]
     assert [s.inter for s in shards] == [(0, 768), (768, 1536)]
     assert shards[0].vocab_sizes == (24576, 24576)
+
+
+def test_a_pipeline_stage_reads_only_its_own_tensors(tiny_model_dir, gguf_path, monkeypatch):
+    """The loader never decodes another stage's layers (nor the embedding or head it lacks);
+    their modules stay unfilled for cut_stage to drop."""
+    from memwall.distributed.pipeline import cut_stage, stage_of, stage_tensors
+    from memwall.loader import gguf_loader
+    from memwall.loader.model_loader import load_model
+    from memwall.quant import gguf_repack
+
+    seen: list[str] = []
+    decode = gguf_repack.repack
+
+    def spy(raw, qtype, shape, *a, **k):
+        seen.append(shape)
+        return decode(raw, qtype, shape, *a, **k)
+
+    monkeypatch.setattr(gguf_repack, "repack", spy)
+    full = load_model(gguf_path)
+    everything = len(seen)
+    seen.clear()
+    stage = load_model(gguf_path, part=stage_tensors(1, 2))
+    assert 0 < len(seen) < everything / 2  # layers 19-29 and the tied head of 30 layers
+    arch = cut_stage(stage.model, stage_of(1, 2, stage.arch))
+    assert arch.num_hidden_layers == 11
+    import torch
+    for mine, theirs in zip(stage.model.model.layers, list(full.model.model.layers)[19:]):
+        assert torch.equal(mine.mlp.down_proj.codes, theirs.mlp.down_proj.codes)
+
+    path = tiny_model_dir("llama")
+    first = load_model(path, part=stage_tensors(0, 2))  # the untied head and norm: not read
+    arch = cut_stage(first.model, stage_of(0, 2, first.arch))
+    assert first.model.lm_head is None and first.model.model.norm is None
