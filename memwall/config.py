@@ -298,7 +298,7 @@ class ParallelConfig:
 
     ranks = tensor_parallel_size x pipeline_parallel_size; rank = stage * tp + tp_rank, so a
     stage's tensor-parallel ranks are neighbours (vLLM's order). Data parallel replicas are
-    whole engines (memwall/engine/dp.py), not ranks of one.
+    whole engines (memwall/engine/dp_client.py), not ranks of one.
     """
 
     tensor_parallel_size: int = 1

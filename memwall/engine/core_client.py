@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing
+import os
 import queue
 import signal
 import threading
@@ -46,8 +47,9 @@ class EngineCoreDeadError(RuntimeError):
 
 
 class MPCoreClient:
-    def __init__(self, args: EngineArgs) -> None:
-        """Starts the core process and waits until it has loaded the model.
+    def __init__(self, args: EngineArgs, cpus: tuple[int, ...] | None = None) -> None:
+        """Starts the core process and waits until it has loaded the model. ``cpus``: the cores
+        the process may run on (data parallel replicas split the host's); None: this one's.
 
         Raises EngineCoreStartError with the core's one-line error when it cannot start."""
         ctx = multiprocessing.get_context("spawn")  # no fork of a process with threads/OpenMP
@@ -57,10 +59,15 @@ class MPCoreClient:
         self.process = ctx.Process(target=run_engine_core, name="memwall-core", daemon=False,
                                    args=(args, child_requests, child_outputs))
         self.process.start()
+        if cpus is not None:  # before it starts a thread: every one it makes inherits the set
+            os.sched_setaffinity(self.process.pid, cpus)
         child_requests.close()  # only the child holds these ends: its death closes the pipes
         child_outputs.close()
         self.on_death: Callable[[], None] | None = None
         """Called from the reader thread when the core process is gone (not after shutdown())."""
+        self.on_news: Callable[[], None] | None = None
+        """Called from the reader thread after news (or the death) is queued for ``step()``: a
+        data-parallel client waits on several cores at once (memwall/engine/dp_client.py)."""
         self._closing = False
         self._failure: str | None = None  # the core's own last word ("failed" message)
         self._news: queue.SimpleQueue = queue.SimpleQueue()
@@ -107,11 +114,11 @@ class MPCoreClient:
         """Requests running, messages the core has not answered yet, or a death to report."""
         return bool(self._inflight) or self._applied < self._sent or self._dead
 
-    def step(self) -> EngineCoreOutputs:
-        """The core's news since the last call, merged (empty after POLL_S without any).
-        Raises EngineCoreDeadError once the core process is gone."""
+    def step(self, timeout: float = POLL_S) -> EngineCoreOutputs:
+        """The core's news since the last call, merged (empty after ``timeout`` s without any;
+        0: do not wait). Raises EngineCoreDeadError once the core process is gone."""
         try:
-            items = [self._news.get(timeout=POLL_S)]
+            items = [self._news.get(timeout=timeout)]
         except queue.Empty:
             return EngineCoreOutputs(stats=self._stats)
         while not self._news.empty():
@@ -163,6 +170,7 @@ class MPCoreClient:
                 kind, *body = self._outputs_pipe.recv()
                 if kind == "outputs":
                     self._news.put(body)
+                    self._notify()
                 elif kind == "failed":
                     self._failure = body[0]
         except (EOFError, OSError):
@@ -176,6 +184,11 @@ class MPCoreClient:
         if self.on_death is not None:
             self.on_death()
         self._news.put(_DEAD)
+        self._notify()
+
+    def _notify(self) -> None:
+        if self.on_news is not None:
+            self.on_news()
 
     def _exit_reason(self) -> str:
         self.process.join(5)  # the pipe closes as the process ends: its status follows at once

@@ -52,8 +52,16 @@ class LLMEngine:
 
     @classmethod
     def from_args(cls, args: EngineArgs, loaded=None) -> "LLMEngine":
-        """An engine core in this process. ``loaded``: a LoadedModel already in memory (tests,
-        benchmarks); by default ``args.model`` is loaded."""
+        """An engine core in this process (with data_parallel_size > 1: a core process per
+        replica, memwall/engine/dp_client.py). ``loaded``: a LoadedModel already in memory
+        (tests, benchmarks); by default ``args.model`` is loaded."""
+        if args.data_parallel_size > 1:
+            if loaded is not None:
+                raise ValueError("data_parallel_size > 1 loads the model in each replica's "
+                                 "process: pass the model's path, not a loaded model")
+            from memwall.engine.dp_client import DPCoreClient
+            from memwall.loader.model_loader import load_tokenizer
+            return cls(DPCoreClient(args), load_tokenizer(args.model, args.tokenizer))
         from memwall.engine.core import EngineCore
         from memwall.executor.uniproc import UniProcExecutor
 

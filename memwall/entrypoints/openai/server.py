@@ -266,18 +266,21 @@ def run_server(args) -> int:
 
 
 def build_engine(args: EngineArgs, core_process: bool = True) -> AsyncLLMEngine:
-    """The server's engine. With ``core_process`` the engine core runs in a process of its own,
-    restarted if it dies, and this process loads only the tokenizer; else all runs in here."""
+    """The server's engine. With ``core_process`` the engine core runs in a process of its own
+    (one per replica with --data-parallel-size), restarted if it dies, and this process loads
+    only the tokenizer; else all runs in here."""
     from memwall.engine.llm_engine import LLMEngine
 
     if not core_process:
         return AsyncLLMEngine(LLMEngine.from_args(args))
     from memwall.engine.core_client import MPCoreClient
+    from memwall.engine.dp_client import DPCoreClient
     from memwall.loader.model_loader import load_tokenizer
 
     tokenizer = load_tokenizer(args.model, args.tokenizer)
+    client = DPCoreClient if args.data_parallel_size > 1 else MPCoreClient
 
     def start() -> LLMEngine:
-        return LLMEngine(MPCoreClient(args), tokenizer)
+        return LLMEngine(client(args), tokenizer)
 
     return AsyncLLMEngine(start(), restart=start)
