@@ -27,12 +27,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from memwall.config import ModelArchConfig
 from memwall.distributed.communicator import Communicator
+
+if TYPE_CHECKING:
+    from memwall.loader.slicing import TensorSlice
 
 
 class ShardError(ValueError):
@@ -106,6 +110,64 @@ def plan(arch: ModelArchConfig, size: int, inter_unit: int = 1) -> list[TPShard]
     sizes = tuple(b - a for a, b in vocab)
     return [TPShard(r, size, heads[r][0], heads[r][1], inter[r], vocab[r], sizes)
             for r in range(size)]
+
+
+# --------------------------------------------------------------------------- loading a slice
+
+@dataclass(frozen=True)
+class RankLayout:
+    """A rank's ``ShardLayout`` (memwall/loader/slicing.py): the loader builds ``arch`` (the
+    rank's heads, KV heads, MLP columns and vocabulary rows) and reads only ``slice_of`` each
+    checkpoint tensor; ``shard_model`` then only adds the collectives."""
+
+    full: ModelArchConfig
+    shard: TPShard
+
+    @property
+    def arch(self) -> ModelArchConfig:
+        s = self.shard
+        return dataclasses.replace(
+            self.full, num_attention_heads=s.q_heads[1] - s.q_heads[0],
+            num_key_value_heads=s.kv_heads[1] - s.kv_heads[0],
+            intermediate_size=s.inter[1] - s.inter[0], vocab_size=s.vocab[1] - s.vocab[0])
+
+    def slice_of(self, name: str) -> "TensorSlice | None":
+        from memwall.loader.slicing import TensorSlice
+        d, s, cfg = self.full.head_dim, self.shard, self.full
+        (q0, q1), (g0, g1), (i0, i1) = s.q_heads, s.kv_heads, s.inter
+        q_rows, kv_rows = (q0 * d, q1 * d), (g0 * d, g1 * d)
+        leaf = ".".join(name.split(".")[-2:])  # e.g. "q_proj.weight"
+        module = leaf.split(".")[0]
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return TensorSlice(rows=(s.vocab,))
+        if module == "q_proj":
+            return TensorSlice(rows=(q_rows,))
+        if module in ("k_proj", "v_proj"):
+            return TensorSlice(rows=(kv_rows,))
+        if module == "qkv_proj":  # a fused checkpoint (Phi-3): the rank's q, k and v rows
+            q_size, kv_size = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+            return TensorSlice(rows=(q_rows, _shift(kv_rows, q_size), _shift(kv_rows, q_size + kv_size)))
+        if module in ("gate_proj", "up_proj"):
+            return TensorSlice(rows=((i0, i1),))
+        if module == "gate_up_proj":
+            return TensorSlice(rows=((i0, i1), _shift((i0, i1), cfg.intermediate_size)))
+        if leaf == "o_proj.weight":
+            return TensorSlice(cols=q_rows)
+        if leaf == "down_proj.weight":
+            return TensorSlice(cols=(i0, i1))
+        return None  # norms, row-parallel biases (kept by rank 0 only: shard_model)
+
+
+def _shift(r: tuple[int, int], by: int) -> tuple[int, int]:
+    return r[0] + by, r[1] + by
+
+
+def rank_layout(rank: int, size: int):
+    """For the loader (``load_model(tensor_parallel=...)``): given the model's arch and the
+    unit its down projection's inputs may be cut at, rank ``rank``'s layout."""
+    def layout_of(arch: ModelArchConfig, inter_unit: int = 1) -> RankLayout:
+        return RankLayout(arch, plan(arch, size, inter_unit)[rank])
+    return layout_of
 
 
 # --------------------------------------------------------------------------- cutting modules
@@ -220,20 +282,56 @@ def shard_model(net: nn.Module, comm: Communicator) -> ModelArchConfig:
     cfg: ModelArchConfig = net.config
     if getattr(net, "lora_slots", None) is not None:
         raise ShardError("LoRA adapters cannot run on a tensor-parallel model yet")
+    layout: RankLayout | None = getattr(net, "tp_layout", None)
+    if layout is not None:  # the loader read only this rank's slice: add the collectives
+        return _add_collectives(net, layout, comm)
     unit = math.lcm(*(column_unit(layer.mlp.down_proj) for layer in net.model.layers))
     shard = plan(cfg, comm.size, unit)[comm.rank]
     for layer in net.model.layers:
         _shard_attention(layer.self_attn, cfg, shard, comm)
         _shard_mlp(layer.mlp, cfg, shard, comm)
     _shard_vocab(net, shard, comm)
+    return _localize(net, shard, comm)
+
+
+def _localize(net: nn.Module, shard: TPShard, comm: Communicator) -> ModelArchConfig:
+    """``net.config`` (the whole model's, or a pipeline stage's) becomes the rank's: its heads,
+    KV heads and MLP width (what its KV cache and kernels are sized by); the vocabulary stays
+    whole (the head's logits are gathered)."""
     local = dataclasses.replace(
-        cfg, num_attention_heads=shard.q_heads[1] - shard.q_heads[0],
+        net.config, num_attention_heads=shard.q_heads[1] - shard.q_heads[0],
         num_key_value_heads=shard.kv_heads[1] - shard.kv_heads[0],
         intermediate_size=shard.inter[1] - shard.inter[0])
     net.config = local
     net.tp_comm = comm  # the fused decode step all-reduces through it (kernels/cpu/decode.py)
     net.tp_shard = shard
     return local
+
+
+def _add_collectives(net: nn.Module, layout: RankLayout, comm: Communicator) -> ModelArchConfig:
+    """A model loaded as ``layout`` (every weight already the rank's slice) gets its
+    all-reduces and vocabulary-parallel ends; a row-parallel bias stays on rank 0 only."""
+    shard = layout.shard
+    if (shard.rank, shard.size) != (comm.rank, comm.size):
+        raise ShardError(f"the model was loaded as rank {shard.rank} of {shard.size}, but runs "
+                         f"as rank {comm.rank} of {comm.size}")
+    for layer in net.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.o_proj = RowParallel(_bias_on_first(attn.o_proj, shard.rank), comm)
+        mlp.down_proj = RowParallel(_bias_on_first(mlp.down_proj, shard.rank), comm)
+    v0, v1 = shard.vocab
+    if net.model.embed_tokens is not None:
+        net.model.embed_tokens = VocabParallelEmbedding(net.model.embed_tokens, v0, v1, comm)
+    if net.lm_head is not None:
+        net.lm_head = VocabParallelHead(net.lm_head, shard.vocab_sizes, comm)
+    del net.tp_layout
+    return _localize(net, shard, comm)
+
+
+def _bias_on_first(module: nn.Module, rank: int) -> nn.Module:
+    if rank != 0 and getattr(module, "bias", None) is not None:
+        module.bias = None  # the all-reduce would add it once per rank
+    return module
 
 
 def _shard_attention(attn: nn.Module, cfg: ModelArchConfig, shard: TPShard, comm: Communicator) -> None:
@@ -313,5 +411,5 @@ def _embedding_method(embed: nn.Module):
     return NativeQ4() if embed.four_bit else NativeQ8()
 
 
-__all__ = ["TPShard", "ShardError", "plan", "shard_model", "head_split", "even_split",
+__all__ = ["TPShard", "RankLayout", "rank_layout", "ShardError", "plan", "shard_model", "head_split", "even_split",
            "RowParallel", "VocabParallelEmbedding", "VocabParallelHead"]

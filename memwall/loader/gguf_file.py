@@ -104,6 +104,36 @@ class Tensor:
         block, type_size = GGML_QUANT_SIZES[self.tensor_type]
         return out.reshape(*dims[:-1], dims[-1] // block * type_size)
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row (the last numpy axis: GGUF's ``ne[0]``, where blocks run)."""
+        block, type_size = GGML_QUANT_SIZES[self.tensor_type]
+        return int(self.shape[0]) // block * type_size
+
+    def read_rows(self, rows: np.ndarray, byte_range: tuple[int, int] | None = None) -> np.ndarray:
+        """uint8 ``[len(rows), width]``: only rows ``rows`` (numpy order, a 2-D tensor) and, with
+        ``byte_range``, only bytes [start, stop) of each: a tensor-parallel rank's slice read
+        without the rest (runs of consecutive whole rows are one read each)."""
+        width = self.row_bytes
+        start, stop = byte_range if byte_range is not None else (0, width)
+        if not 0 <= start < stop <= width:
+            raise ValueError(f"tensor {self.name!r}: bytes {start}..{stop} of rows of {width}")
+        rows = np.asarray(rows, dtype=np.int64)
+        out = np.empty((len(rows), stop - start), dtype=np.uint8)
+        whole = byte_range is None or (start, stop) == (0, width)
+        with open(self.path, "rb", buffering=0) as f:
+            i = 0
+            while i < len(rows):
+                run = 1  # consecutive rows of full width: one read
+                while whole and i + run < len(rows) and rows[i + run] == rows[i] + run:
+                    run += 1
+                f.seek(self.data_offset + int(rows[i]) * width + start)
+                view = memoryview(out[i:i + run].reshape(-1))
+                if f.readinto(view) != len(view):
+                    raise ValueError(f"tensor {self.name!r}: short read at row {rows[i]}")
+                i += run
+        return out
+
 
 class GGUFFile:
     """``fields`` (key -> Field, in file order), ``tensors`` (in file order), ``alignment``,

@@ -24,11 +24,11 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Container, Iterator
+from typing import Any, Callable, Container, Iterator
 
 import numpy as np
 import torch
-from gguf import GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType, GGUFValueType
 
 from memwall.loader.errors import ModelLoadError
 from memwall.loader.gguf_file import GGUFFile
@@ -368,12 +368,49 @@ def _check_tensors(reader: GGUFFile, config: dict[str, Any]) -> None:
                                  f"not supported (supported: {', '.join(SUPPORTED_GGUF_TYPES)})")
 
 
+def read_tensor_rows(t: Any, rows: np.ndarray, byte_range: tuple[int, int] | None = None) -> np.ndarray:
+    """uint8 ``[len(rows), width]``: rows ``rows`` of a 2-D GGUF tensor (bytes ``byte_range``
+    of each), read from the file without the rest (``gguf_file.Tensor.read_rows``), or cut
+    from a ``gguf.GGUFReader`` tensor's mapped bytes."""
+    if hasattr(t, "read_rows"):
+        return t.read_rows(rows, byte_range)
+    raw = np.asarray(t.data).view(np.uint8).reshape(int(t.shape[-1]), -1)
+    start, stop = byte_range if byte_range is not None else (0, raw.shape[1])
+    return np.ascontiguousarray(raw[np.asarray(rows), start:stop])
+
+
+def _read_slice(t: Any, part: Any, n_head: int | None) -> torch.Tensor:
+    """A tensor-parallel rank's ``TensorSlice`` of one GGUF tensor, in HF layout (float32):
+    only its rows are read, and of those only its columns' bytes, unless the cut falls inside
+    a quantized block (then whole rows, cut after decoding: blocks decode independently)."""
+    shape = _np_shape(t)
+    if len(shape) != 2:  # biases and norms: tiny, read whole
+        w = dequantize(t.data, t.tensor_type, shape)
+        if n_head is not None:
+            w = unpermute_qk(w, n_head)
+        return part.apply(w)
+    rows = part.row_index(shape[0])
+    if n_head is not None:  # HF row -> the file's (permuted) row
+        rows = unpermute_qk(torch.arange(shape[0]), n_head).numpy()[rows]
+    qtype = QType(t.tensor_type)
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    cols = part.cols or (0, shape[1])
+    if cols[0] % block == 0 and cols[1] % block == 0:  # whole blocks (or a float type)
+        byte_range = (cols[0] // block * type_size, cols[1] // block * type_size)
+        return dequantize(read_tensor_rows(t, rows, byte_range), qtype, (len(rows), cols[1] - cols[0]))
+    w = dequantize(read_tensor_rows(t, rows), qtype, (len(rows), shape[1]))
+    return w[:, cols[0]:cols[1]].contiguous()
+
+
 def iter_gguf_tensors(reader: GGUFFile, config: dict[str, Any],
                       dtype: torch.dtype = torch.float32,
-                      skip: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+                      skip: Container[str] = (),
+                      slice_of: Callable[[str], Any] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every model weight, in file order, as ``dtype``.
 
     Names in ``skip`` are neither decoded nor yielded (weights the caller keeps quantized).
+    ``slice_of(hf_name)``: the part of each tensor a tensor-parallel rank holds
+    (memwall/loader/slicing.py); only that part is read from the file.
 
     ``config`` is :func:`gguf_hf_config`'s result (heads drive the q/k un-permutation).
     All names and types are validated before the first tensor is decoded, so a bad file
@@ -389,8 +426,12 @@ def iter_gguf_tensors(reader: GGUFFile, config: dict[str, Any],
         name = hf_tensor_name(t.name, arch)
         if name is None or name in skip:
             continue
+        n_head = next((n for key, n in heads.items() if key in name), None) if permuted else None
+        part = slice_of(name) if slice_of is not None else None
+        if part is not None:
+            yield name, _read_slice(t, part, n_head).to(dtype).contiguous()
+            continue
         w = dequantize(t.data, t.tensor_type, _np_shape(t))
-        n_head = next((n for key, n in heads.items() if key in name), None)
-        if permuted and n_head is not None:
+        if n_head is not None:
             w = unpermute_qk(w, n_head)
         yield name, w.to(dtype).contiguous()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Container, Iterator
+from typing import Any, Callable, Container, Iterator
 
 import torch
 from safetensors import safe_open
@@ -46,18 +46,26 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return found
 
 
-def iter_hf_tensors(model_dir: Path, dtype: torch.dtype,
-                    skip: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(model_dir: Path, dtype: torch.dtype, skip: Container[str] = (),
+                    slice_of: Callable[[str], Any] | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor in ``dtype``) for every tensor of the checkpoint not named in ``skip``
-    (those a quantized checkpoint's loader reads itself: memwall/loader/hf_quantized.py)."""
+    (those a quantized checkpoint's loader reads itself: memwall/loader/hf_quantized.py).
+    ``slice_of(name)``: the part a tensor-parallel rank holds (memwall/loader/slicing.py),
+    read alone through safetensors' ``get_slice``."""
     for path in safetensors_files(model_dir):
         if not path.is_file():
             raise ModelLoadError(f"shard {path.name} listed in {INDEX_FILE} is missing")
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    if name not in skip:
+                    if name in skip:
+                        continue
+                    part = slice_of(name) if slice_of is not None else None
+                    if part is None:
                         yield name, f.get_tensor(name).to(dtype)
+                    else:
+                        yield name, part.read_safetensors(f.get_slice(name)).to(dtype)
         except (OSError, RuntimeError, ValueError) as e:
             if isinstance(e, ModelLoadError):
                 raise

@@ -18,6 +18,7 @@ from torch import nn
 
 from memwall.config import ModelArchConfig
 from memwall.loader.errors import ModelLoadError
+from memwall.loader.slicing import ShardLayout
 from memwall.models.registry import build_model
 from memwall.tokenizer.tokenizer import Tokenizer
 
@@ -59,26 +60,36 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 def load_model(model: str | os.PathLike | None, dtype: str = "float32",
                tokenizer_path: str | None = None, progress: bool = False,
                quantization: str = "auto",
-               part: "Callable[[ModelArchConfig], Callable[[str], bool]] | None" = None
+               part: "Callable[[ModelArchConfig], Callable[[str], bool]] | None" = None,
+               tensor_parallel: "Callable[[ModelArchConfig, int], ShardLayout] | None" = None
                ) -> LoadedModel:
     """``quantization``: "auto" keeps a GGUF file's quantized weights quantized in memory (a
     float checkpoint stays float); "none" dequantizes everything to ``dtype``; "int8"/"int4"
     also quantize the float Linear weights at load time (memwall/quant). ``part(arch)``: which
     tensors (by HF name) this process holds, e.g. a pipeline stage's layers; the others are
-    never read, and their modules stay unfilled (no memory) for the caller to drop."""
+    never read, and their modules stay unfilled (no memory) for the caller to drop.
+    ``tensor_parallel(arch, unit)``: a tensor-parallel rank's layout (``unit``: where the down
+    projection's inputs may be cut); the model is built at the rank's shapes and each tensor
+    read only in the rank's slice (``net.tp_layout`` says which, for ``shard_model``). Formats
+    whose slices cannot be read exactly (load-time int8/int4, AWQ/GPTQ/FP8 checkpoints) load
+    whole, and ``shard_model`` cuts them after."""
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"unknown quantization {quantization!r}; use one of "
                              f"{', '.join(QUANTIZATIONS)}")
     with _loading_allocations():
         path = resolve_model_path(model)
         torch_dtype = DTYPES[dtype]
+        if quantization in ("int8", "int4"):
+            tensor_parallel = None  # quantized from whole rows: cut after (shard_model)
         if path.is_file():
-            arch, tensors, tokenizer, count, packed = _open_gguf(path, torch_dtype, quantization, part)
+            arch, tensors, tokenizer, count, packed, layout = _open_gguf(
+                path, torch_dtype, quantization, part, tensor_parallel)
         else:
-            arch, tensors, tokenizer, count, packed = _open_hf_dir(path, torch_dtype, quantization, part)
+            arch, tensors, tokenizer, count, packed, layout = _open_hf_dir(
+                path, torch_dtype, quantization, part, tensor_parallel)
         if tokenizer_path is not None:
             tokenizer = Tokenizer.from_pretrained(tokenizer_path)
-        net = _build_unfilled(arch, torch_dtype)
+        net = _build_unfilled(arch if layout is None else layout.arch, torch_dtype)
         wanted = part(arch) if part is not None else None
         absent = [f"{module}.weight" for module in packed]
         if wanted is not None:
@@ -93,6 +104,9 @@ def load_model(model: str | os.PathLike | None, dtype: str = "float32",
         release_freed_memory()  # before fusing: joining q/k/v and gate/up copies them once more
         net.fuse_projections()
         net.eval()
+        if layout is not None:
+            net.config = arch  # the whole model's, until shard_model adds the collectives
+            net.tp_layout = layout
         release_freed_memory()
         name = EMBEDDED_FILE.removesuffix(".gguf") if model is None else str(model)
         return LoadedModel(net, arch, tokenizer, name)
@@ -193,7 +207,7 @@ class _Skip:
         return name in self.quantized or (self.wanted is not None and not self.wanted(name))
 
 
-def _open_gguf(path: Path, dtype: torch.dtype, quantization: str, part=None):
+def _open_gguf(path: Path, dtype: torch.dtype, quantization: str, part=None, tensor_parallel=None):
     from memwall.loader.gguf_loader import (gguf_hf_config, hf_tensor_name, iter_gguf_tensors,
                                             open_gguf)
 
@@ -202,18 +216,24 @@ def _open_gguf(path: Path, dtype: torch.dtype, quantization: str, part=None):
     arch = ModelArchConfig.from_hf_dict(hf_cfg)
     wanted = part(arch) if part is not None else None
     tokenizer = Tokenizer.from_gguf(reader)
+    layout = None
+    if tensor_parallel is not None:
+        from memwall.quant.gguf_repack import down_proj_unit
+        layout = tensor_parallel(arch, down_proj_unit(reader, quantization != "none"))
+    slice_of = layout.slice_of if layout is not None else None
     packed = {}
     if quantization != "none":  # quantized Linears, and the embedding when it can stay quantized
         from memwall.quant.gguf_repack import gguf_quantized_linears
-        packed = gguf_quantized_linears(reader, hf_cfg, wanted=wanted)
+        packed = gguf_quantized_linears(reader, hf_cfg, wanted=wanted, slice_of=slice_of)
     skip = _Skip({f"{module}.weight" for module in packed}, wanted)
-    tensors = iter_gguf_tensors(reader, hf_cfg, dtype, skip=skip)
+    tensors = iter_gguf_tensors(reader, hf_cfg, dtype, skip=skip, slice_of=slice_of)
     names = [hf_tensor_name(t.name) for t in reader.tensors]
     count = sum(name is not None and name not in skip for name in names)
-    return arch, tensors, tokenizer, count, packed
+    return arch, tensors, tokenizer, count, packed, layout
 
 
-def _open_hf_dir(path: Path, dtype: torch.dtype, quantization: str, part=None):
+def _open_hf_dir(path: Path, dtype: torch.dtype, quantization: str, part=None,
+                 tensor_parallel=None):
     from memwall.loader.hf_loader import iter_hf_tensors, read_hf_config
 
     cfg = read_hf_config(path)
@@ -226,8 +246,11 @@ def _open_hf_dir(path: Path, dtype: torch.dtype, quantization: str, part=None):
         if wanted is not None:  # read whole, then dropped: this format's reader reads them all
             packed = {m: w for m, w in packed.items() if wanted(f"{m}.weight")}
             tensors = ((n, t) for n, t in tensors if wanted(n))
-        return arch, tensors, tokenizer, None, packed
-    return arch, iter_hf_tensors(path, dtype, skip=_Skip(set(), wanted)), tokenizer, None, {}
+        return arch, tensors, tokenizer, None, packed, None  # cut after loading (shard_model)
+    layout = tensor_parallel(arch, 1) if tensor_parallel is not None else None
+    tensors = iter_hf_tensors(path, dtype, skip=_Skip(set(), wanted),
+                              slice_of=layout.slice_of if layout is not None else None)
+    return arch, tensors, tokenizer, None, {}, layout
 
 
 def _with_progress(tensors: Iterator, total: int | None, show: bool, label: str) -> Iterator:

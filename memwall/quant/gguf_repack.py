@@ -51,6 +51,7 @@ q/k un-permutation) works on the raw bytes before any decoding.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import numpy as np
@@ -283,9 +284,20 @@ def use_native(backend: str) -> bool:
 
 # --------------------------------------------------------------------------- a whole file
 
+def down_proj_unit(reader: Any, keep_quantized: bool) -> int:
+    """Where a tensor-parallel cut of the down projections' inputs may fall so that each rank
+    reads whole blocks from the file: the least common multiple of their block sizes (1 for
+    float weights, or when everything is dequantized)."""
+    unit = 1
+    for t in reader.tensors:
+        if keep_quantized and t.name.endswith("ffn_down.weight") and QType(t.tensor_type) in REPACKABLE:
+            unit = math.lcm(unit, GGML_QUANT_SIZES[QType(t.tensor_type)][0])
+    return unit
+
+
 def gguf_quantized_linears(reader: Any, config: dict[str, Any], include_lm_head: bool = True,
                            backend: str = "auto", include_embedding: bool = True,
-                           wanted: Any = None) -> dict[str, QuantWeights]:
+                           wanted: Any = None, slice_of: Any = None) -> dict[str, QuantWeights]:
     """``{module name: QuantWeights}`` for every quantized Linear weight of a GGUF file, and
     for the token embedding when ``include_embedding`` and a ``QuantEmbedding`` can hold it.
 
@@ -296,7 +308,10 @@ def gguf_quantized_linears(reader: Any, config: dict[str, Any], include_lm_head:
     are un-permuted for llama/mistral, as ``iter_gguf_tensors`` does for the float path.
     ``backend``: see ``repack``. Tensors are read and repacked one at a time, so the peak is
     the result plus one tensor's transients. ``wanted(hf_name)`` False: the tensor is not read
-    (another pipeline stage's layer).
+    (another pipeline stage's layer). ``slice_of(hf_name)``: the ``TensorSlice`` a
+    tensor-parallel rank holds (memwall/loader/slicing.py); only its rows, and its columns'
+    blocks where the cut falls on the file's blocks, are read (else whole rows are read and
+    repacked, then cut on the repacked layout's scale groups).
     """
     from memwall.quant.embedding import QuantEmbedding
     from memwall.quant.transform import EMBEDDING
@@ -309,8 +324,12 @@ def gguf_quantized_linears(reader: Any, config: dict[str, Any], include_lm_head:
             continue
         if wanted is not None and not wanted(hf_tensor_name(t.name)):
             continue
-        weights = repack(_raw_rows(t, module, config), t.tensor_type,
-                         tuple(int(d) for d in reversed(t.shape.tolist())), backend)
+        part = slice_of(hf_tensor_name(t.name)) if slice_of is not None else None
+        if part is None:
+            weights = repack(_raw_rows(t, module, config), t.tensor_type,
+                             tuple(int(d) for d in reversed(t.shape.tolist())), backend)
+        else:
+            weights = _repack_slice(t, module, config, part, backend)
         if module == EMBEDDING and not QuantEmbedding.supports(weights):
             continue  # stays a float nn.Embedding
         out[module] = weights
@@ -334,6 +353,43 @@ def _quantized_module(gguf_name: str, tied: bool, include_lm_head: bool,
     if leaf not in LINEAR_MODULES or (leaf == "lm_head" and not include_lm_head):
         return None
     return module
+
+
+def _repack_slice(t: Any, module: str, config: dict[str, Any], part: Any,
+                  backend: str) -> QuantWeights:
+    """One tensor-parallel rank's slice of a quantized weight, reading only its rows (and its
+    columns' blocks when the cut falls on them and repacking them alone changes nothing)."""
+    from memwall.loader.gguf_loader import read_tensor_rows
+    qtype = QType(t.tensor_type)
+    rows_total, cols_total = (int(d) for d in reversed(t.shape.tolist()))
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    rows = _file_rows(part.row_index(rows_total), module, config, rows_total)
+    cols = part.cols or (0, cols_total)
+    # torch's requantized types take a scale per row over the whole row: cut those after
+    raw_cut = cols[0] % block == 0 and cols[1] % block == 0 and (
+        qtype not in _REQUANTIZED or use_native(backend))
+    if raw_cut:
+        raw = read_tensor_rows(t, rows, (cols[0] // block * type_size, cols[1] // block * type_size))
+        return repack(torch.from_numpy(raw), qtype, (len(rows), cols[1] - cols[0]), backend)
+    whole = repack(torch.from_numpy(read_tensor_rows(t, rows)), qtype, (len(rows), cols_total), backend)
+    from memwall.quant.base import QuantLinear
+    layer = QuantLinear(whole)
+    unit = whole.method.column_unit(layer)
+    cut = whole.method.take_columns(layer, *cols) if unit and cols[0] % unit == 0 == cols[1] % unit else None
+    if cut is None:
+        raise ValueError(f"{t.name}: inputs {cols[0]}..{cols[1]} cannot be cut from a "
+                         f"{qtype.name} weight held as {whole.source}")
+    return cut
+
+
+def _file_rows(rows: np.ndarray, module: str, config: dict[str, Any], total: int) -> np.ndarray:
+    """The file's row of each wanted row in HF order (llama/mistral files permute q/k rows)."""
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    leaf = module.rsplit(".", 1)[-1]
+    if config.get("model_type") in ("llama", "mistral") and leaf in heads:
+        order = unpermute_qk(torch.arange(total), heads[leaf]).numpy()  # HF row -> file row
+        return order[rows]
+    return rows
 
 
 def _raw_rows(t: Any, module: str, config: dict[str, Any]) -> torch.Tensor:
