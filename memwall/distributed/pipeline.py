@@ -160,14 +160,35 @@ class StagePipe:
         self.ring.close()
 
 
+class Handoff:
+    """A stage boundary whose hidden states travel as a call's argument and return value
+    instead of a ring (the Ray executor: Ray's object store carries them, between hosts too;
+    ``Worker.execute_stage``)."""
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
+
+    def send(self, hidden: torch.Tensor, timeout: float | None = None) -> None:
+        self.value = hidden.detach().float().contiguous()  # [T, H]
+
+    def receive(self, timeout: float | None = None) -> torch.Tensor:
+        value, self.value = self.value, None
+        if value is None:
+            raise RuntimeError("no hidden states were handed to this pipeline stage")
+        return value
+
+    def close(self) -> None:
+        self.value = None
+
+
 @dataclass
 class PipeEnds:
     """A stage's connections: from the previous stage (not on the first), to the next (not on
     the last)."""
 
     stage: PipelineStage
-    incoming: StagePipe | None = None
-    outgoing: StagePipe | None = None
+    incoming: StagePipe | Handoff | None = None
+    outgoing: StagePipe | Handoff | None = None
     timeout_s: float | None = None
     wait_s: float = 0.0
     """Seconds spent waiting for the stage before (the pipeline's bubble, seen from here)."""
@@ -188,4 +209,5 @@ class PipeEnds:
                 pipe.close()
 
 
-__all__ = ["PipelineStage", "stage_layers", "cut_stage", "StagePipe", "PipeEnds", "layer_cost"]
+__all__ = ["PipelineStage", "stage_layers", "cut_stage", "StagePipe", "Handoff", "PipeEnds",
+           "layer_cost"]

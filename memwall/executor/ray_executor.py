@@ -4,7 +4,11 @@
                 ◄── a Reply per actor (rank 0's carries the RunnerOutput) ──┘
 
 The actors run the same rank code as the mp executor's processes (memwall/executor/rank.py:
-``make_worker`` and ``call``). A placement group reserves one bundle of CPUs per rank, packed
+``make_worker`` and ``call``). Pipeline stages hand their hidden states on as Ray objects: a
+step calls every stage's actors at once, each later stage's call taking the ObjectRef of the
+same tensor-parallel rank's answer in the stage before, so Ray moves the tensor between the two
+actors (between hosts too) without the engine core touching it; an actor runs its calls in
+order, so stage 0 computes the next step while the later stages finish this one. A placement group reserves one bundle of CPUs per rank, packed
 onto one node by default (``MEMWALL_RAY_PLACEMENT=SPREAD`` or ``STRICT_SPREAD`` spreads
 them). Ranks that all landed on this host share a memory segment for their all-reduce; ranks
 on several nodes cannot, and use gloo over the network instead (``tp_comm`` auto).
@@ -27,6 +31,7 @@ import socket
 import time
 import traceback
 import weakref
+from collections import deque
 
 from memwall.config import CacheConfig, EngineArgs, SchedulerConfig, _ray_cluster_running
 from memwall.core.step import RunnerOutput, SchedulerOutput
@@ -84,11 +89,11 @@ class RayExecutor(Executor):
         ray = _import_ray()
         self.args = args
         parallel = args.parallel_config()
-        if parallel.pipeline_parallel_size > 1:
-            raise ValueError(f"pipeline_parallel_size={parallel.pipeline_parallel_size}: "
-                             f"pipeline parallel runs on the mp executor (one host) only; use "
-                             f"--distributed-executor-backend mp, or tensor parallel alone")
         self.world, self.tp = parallel.world_size, parallel.tensor_parallel_size
+        self.pp = self.pipeline_depth = parallel.pipeline_parallel_size
+        self.driver = self.world - self.tp  # tensor rank 0 of the last stage: it samples
+        self._in_flight: deque[list] = deque()
+        """The last stage's call refs of each submitted step, oldest first."""
         self.requested_comm = parallel.tp_comm
         self.timeout_s = parallel.comm_timeout_s
         self._actors: list = []
@@ -124,22 +129,30 @@ class RayExecutor(Executor):
         where = self._wait([a.where.remote() for a in self._actors], START_TIMEOUT_S)
         self.nodes = [node for node, _, _ in where]
         self.comm = self._choose_comm(ray.get_runtime_context().get_node_id())
-        if self.comm == "shm" and self.tp > 1:
+        if self.comm == "shm" and self.tp > 1:  # one all-reduce segment per pipeline stage
             from memwall.distributed.shm_comm import ShmGroup
-            self._segments.append(ShmGroup.create(self.tp))
+            self._segments.extend(ShmGroup.create(self.tp) for _ in range(self.pp))
         starts = [actor.start.remote(spec, ip) for actor, spec, (_, ip, _) in
-                  zip(self._actors, self._specs(per_rank, where[0]), where)]
+                  zip(self._actors, self._specs(per_rank, where), where)]
         self._collect(starts, START_TIMEOUT_S)  # concurrently: gloo waits for every rank
+        if self.pp > 1:
+            self._call("use_handoff_pipe")
 
-    def _specs(self, per_rank: int, rank0: tuple[str, str, int]) -> list[RankSpec]:
-        _, ip, port = rank0  # rank 0 opens the gloo group's store
-        shm = self._segments[0].name if self._segments else None
-        gloo = f"{ip}:{port}" if self.comm == "gloo" else None
-        # cpus None: Ray, not the rank, decides which cores a rank's CPUs are
-        return [RankSpec(self.args, rank=r, world_size=self.world, tp_size=self.tp, pp_size=1,
-                         threads=per_rank, cpus=None, tp_comm=self.comm, shm_name=shm,
-                         gloo_address=gloo, timeout_s=self.timeout_s)
-                for r in range(self.world)]
+    def _specs(self, per_rank: int, where: list[tuple[str, str, int]]) -> list[RankSpec]:
+        """Each stage's tensor-parallel group: its own all-reduce segment, or a gloo store
+        opened by the stage's first rank."""
+        specs = []
+        for r in range(self.world):
+            stage = r // self.tp
+            _, ip, port = where[stage * self.tp]
+            shm = self._segments[stage].name if self._segments else None
+            gloo = f"{ip}:{port}" if self.comm == "gloo" else None
+            # cpus None: Ray, not the rank, decides which cores a rank's CPUs are
+            specs.append(RankSpec(self.args, rank=r, world_size=self.world, tp_size=self.tp,
+                                  pp_size=self.pp, threads=per_rank, cpus=None,
+                                  tp_comm=self.comm, shm_name=shm, gloo_address=gloo,
+                                  timeout_s=self.timeout_s))
+        return specs
 
     def _choose_comm(self, here: str) -> str:
         """shm when every rank is on this host (the segment is made here), else gloo."""
@@ -222,7 +235,30 @@ class RayExecutor(Executor):
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         import ray
         self._check()  # (a Ray this executor started is gone with the group)
+        if self.pp > 1:
+            self.submit(sched)
+            return self.collect()
         return self._call("execute", ray.put(sched))[0]  # serialized once for every actor
+
+    def submit(self, sched: SchedulerOutput) -> None:
+        """Starts a step on every stage without waiting (module docstring): stage s's rank r
+        takes the ObjectRef of stage s-1's rank r's answer, its hidden states."""
+        import ray
+        if self.pp == 1:
+            return super().submit(sched)
+        self._check()
+        ref = ray.put(sched)  # serialized once for every actor
+        previous: list = [None] * self.tp
+        for stage in range(self.pp):
+            previous = [self._actors[stage * self.tp + r].call.remote("execute_stage", ref, previous[r])
+                        for r in range(self.tp)]
+        self._in_flight.append(previous)
+
+    def collect(self) -> RunnerOutput:
+        if self.pp == 1:
+            return super().collect()
+        # the last stage's answers; a failure anywhere before reaches them (execute_stage)
+        return self._collect(self._in_flight.popleft(), self.timeout_s * self.pp)[0]
 
     def describe(self) -> str:
         """The layout (printed at start-up) and the driver's device half, as the mp executor's."""
@@ -230,9 +266,9 @@ class RayExecutor(Executor):
         comm = {"shm": "shared-memory all-reduce", "gloo": "gloo all-reduce"}[self.comm]
         head = (f"{self.world} ranks as Ray actors (ray executor) on {len(set(self.nodes))} "
                 f"node(s): tensor parallel {self.tp}" + (f" ({comm})" if self.tp > 1 else "")
-                + " x pipeline parallel 1")
+                + f" x pipeline parallel {self.pp}")
         ranks = "; ".join(f"rank {r}: {text}" for r, text in enumerate(layouts))
-        return f"{head}; {ranks}; {self._call('describe')[0]}"
+        return f"{head}; {ranks}; {self._call('describe')[self.driver]}"
 
     def shutdown(self) -> None:
         self._finalizer()

@@ -34,6 +34,7 @@ from memwall.worker.step_shape import StepShape, measure as measure_step_shape
 if TYPE_CHECKING:
     from memwall.distributed.communicator import Communicator
     from memwall.distributed.pipeline import PipeEnds, PipelineStage
+    from memwall.executor.rank import Reply
     from memwall.lora.worker_lora import WorkerLoRA
 
 logger = logging.getLogger("memwall")
@@ -94,10 +95,15 @@ class Worker:
             if self.num_stages > 1:  # a pipeline stage reads only its own layers' tensors
                 from memwall.distributed.pipeline import stage_tensors
                 part = stage_tensors(self.stage_index, self.num_stages)
+            tp = None
+            # a rank reads only its slice; fp8 scales each whole row after loading: cut after
+            if self.tp_comm is not None and self.tp_comm.size > 1 and self.args.quantization != "fp8":
+                from memwall.distributed.tensor_parallel import rank_layout
+                tp = rank_layout(self.tp_comm.rank, self.tp_comm.size)
             self.loaded = load_model(self.args.model, dev.dtype, self.args.tokenizer,
                                      progress=self.args.show_progress,
                                      quantization=loader_quantization(self.args.quantization),
-                                     part=part)
+                                     part=part, tensor_parallel=tp)
         self.model = place_model(self.loaded.model, dev, self.args.quantization)
         self.arch = self.loaded.arch
         if self.num_stages > 1:
@@ -180,6 +186,25 @@ class Worker:
             tp = self.args.parallel_config().tensor_parallel_size
             tp_rank = self.tp_comm.rank if self.tp_comm is not None else 0
             self.pipe.incoming = StagePipe.connect(handles[(self.stage_index - 1) * tp + tp_rank])
+
+    def use_handoff_pipe(self) -> None:
+        """Stage boundaries as call arguments and return values (``execute_stage``), for
+        executors whose ranks may sit on other hosts (Ray)."""
+        from memwall.distributed.pipeline import Handoff, PipeEnds
+        first, last = self.stage_index == 0, self.stage_index == self.num_stages - 1
+        self.pipe = PipeEnds(self.stage, None if first else Handoff(), None if last else Handoff())
+
+    def execute_stage(self, sched: SchedulerOutput, previous: "Reply | None" = None):
+        """One step of this pipeline stage with ``use_handoff_pipe``: ``previous`` is the stage
+        before's reply (its hidden states); returns this stage's hidden states for the next
+        one, or on the last stage the step's RunnerOutput."""
+        if self.pipe.incoming is not None:
+            if previous is None or not previous.ok:
+                why = "no input" if previous is None else previous.error.splitlines()[0]
+                raise RuntimeError(f"pipeline stage {self.stage_index - 1} failed: {why}")
+            self.pipe.incoming.value = previous.value
+        out = self.execute(sched)
+        return self.pipe.outgoing.receive() if self.pipe.outgoing is not None else out
 
     def _make_lora(self) -> "WorkerLoRA | None":
         """With --enable-lora: slots for max_loras adapters, the model's projections wrapped

@@ -1,7 +1,8 @@
 """Tensor parallel through Ray actors (memwall/executor/ray_executor.py) on a local Ray
 instance: the same tokens as one rank, the ranks' shared-memory all-reduce chosen because both
 actors landed on this host, nothing left behind by a shutdown, and a killed rank failing the
-next step at once. (Ranks on two hosts, over gloo: scripts/test-multihost.)"""
+next step at once; pipeline stages (PP=2, TP=2 x PP=2) handing hidden states on as Ray objects.
+(Ranks on two hosts, over gloo: scripts/test-multihost.)"""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ RAY_TP2 = dict(tensor_parallel_size=2, distributed_executor_backend="ray")
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
     """A Ray instance of this test's own (the executor joins it and leaves it running)."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # 4 logical CPUs on this 2-core box: room for TP=2 x PP=2 ranks of one thread each
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -85,3 +87,18 @@ def test_a_killed_rank_fails_the_next_step(tiny_model_dir):
         executor.execute(None)
     assert _placement_groups_left() == []  # the failure tore the group down
     llm.shutdown()
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2)])
+def test_pipeline_stages_as_actors_give_the_same_tokens(tiny_model_dir, tp, pp):
+    """Stages hand their hidden states on through Ray's object store, steps overlapping (one a
+    stage in flight); greedy and seeded tokens equal one rank's."""
+    path = tiny_model_dir("llama")
+    one, _ = _generate(path)
+    staged, described = _generate(path, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                  distributed_executor_backend="ray", threads=1)
+    assert staged == one
+    assert (f"{tp * pp} ranks as Ray actors (ray executor) on 1 node(s): tensor parallel {tp}"
+            in described)
+    assert f"x pipeline parallel {pp}" in described
+    assert f"rank {tp}: pipeline stage 1 of 2" in described
