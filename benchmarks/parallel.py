@@ -70,26 +70,39 @@ def throughput(base_url: str, requests, concurrency: int) -> float:
 def run_setting(name: str, args, tok) -> dict:
     port = free_port()
     out: dict = {"args": SETTINGS[name]}
-    with ManagedServer(serve_command(args.model, port, SETTINGS[name]), port) as server:
-        warm = sample_random(tok, 4, 32, 8, seed=99)
-        throughput(server.base_url, warm, 4)
-        for concurrency in (1, 16):
-            count = 2 if concurrency == 1 else 32
-            rates = []
-            for run in range(args.runs):
-                requests = sample_random(tok, count, 32, args.output_len, seed=run)
-                rates.append(throughput(server.base_url, requests, concurrency))
-            out[f"c{concurrency}_runs"] = rates
-            out[f"c{concurrency}"] = statistics.median(rates)
-            print(f"  {name} c={concurrency}: {out[f'c{concurrency}']:.1f} out tok/s "
-                  f"(runs {', '.join(f'{r:.1f}' for r in rates)})", file=sys.stderr, flush=True)
-        if name in ("tp1", "dp2") and not args.skip_chat:
-            out["chat"] = chat_run(server.base_url, args, tok)
+    if not args.chat_only:
+        with ManagedServer(serve_command(args.model, port, SETTINGS[name]), port) as server:
+            measure_throughput(name, args, tok, server.base_url, out)
+    if name in ("tp1", "dp2") and not args.skip_chat:
+        for key, recorded in (("chat", False), ("chat_recorded", True)):
+            port = free_port()  # a fresh server: an empty prefix cache for each workload
+            with ManagedServer(serve_command(args.model, port, SETTINGS[name]), port) as server:
+                out[key] = chat_run(server.base_url, args, tok, recorded=recorded)
     return out
 
 
-def chat_run(base_url: str, args, tok) -> dict:
-    convs = chat_workload(tok, args.conversations, 3, 3000, 64, seed=1)
+def measure_throughput(name: str, args, tok, base_url: str, out: dict) -> None:
+    warm = sample_random(tok, 4, 32, 8, seed=99)
+    throughput(base_url, warm, 4)
+    for concurrency in (1, 16):
+        count = 2 if concurrency == 1 else 32
+        rates = []
+        for run in range(args.runs):
+            requests = sample_random(tok, count, 32, args.output_len, seed=run)
+            rates.append(throughput(base_url, requests, concurrency))
+        out[f"c{concurrency}_runs"] = rates
+        out[f"c{concurrency}"] = statistics.median(rates)
+        print(f"  {name} c={concurrency}: {out[f'c{concurrency}']:.1f} out tok/s "
+              f"(runs {', '.join(f'{r:.1f}' for r in rates)})", file=sys.stderr, flush=True)
+
+
+def chat_run(base_url: str, args, tok, recorded: bool) -> dict:
+    """benchmarks/prefix.py's chat workload at c=16 (3 turns, 64-token replies): "chat" sends
+    back the model's own replies (prompts then depend on the engine's exact numerics: one
+    thread a replica rounds differently from two threads, so the histories differ slightly);
+    "chat-recorded" sends back ShareGPT's recorded replies (the same prompts for every setting:
+    what routing alone does to the hit rate)."""
+    convs = chat_workload(tok, args.conversations, 3, 3000, 64, seed=1, recorded_replies=recorded)
     before = cache_counters(base_url)
     results, duration = asyncio.run(replay(base_url, convs, 16, 64))
     after = cache_counters(base_url)
@@ -97,9 +110,10 @@ def chat_run(base_url: str, args, tok) -> dict:
     hits = after.get("hits", 0) - before.get("hits", 0)
     summary = summarize(results, duration)
     chat = {"requests": len(results), "failed": summary.failed,
-            "output_tok_s": summary.output_throughput,
-            "hit_rate": hits / queries if queries else 0.0}
-    print(f"  chat: {chat}", file=sys.stderr, flush=True)
+            "output_tok_s": summary.output_throughput, "prompt_tokens": queries,
+            "hit_tokens": hits, "hit_rate": hits / queries if queries else 0.0}
+    label = "chat-recorded" if recorded else "chat"
+    print(f"  {label}: {chat}", file=sys.stderr, flush=True)
     return chat
 
 
@@ -137,26 +151,34 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=48)
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--skip-chat", action="store_true")
+    parser.add_argument("--chat-only", action="store_true",
+                        help="only the chat workloads (tp1 and dp2), no throughput runs")
     args = parser.parse_args()
     args.model = args.model or embedded_gguf()
     tok = GGUFTokenizer(args.model)
     names = args.settings.split(",")
+    if args.chat_only:
+        names = [n for n in names if n in ("tp1", "dp2")]
     results = {name: run_setting(name, args, tok) for name in names}
-    bubble = pipeline_bubble(args, tok) if "pp2" in names else None
+    bubble = pipeline_bubble(args, tok) if "pp2" in names and not args.chat_only else None
     base = results.get("tp1")
     print(f"\nCPU: {cpu_model()}, {CORES} cores; model {args.model.name}; {args.output_len} "
           f"output tokens; median of {args.runs} runs")
     print(f"{'setting':<10} {'c=1 tok/s':>10} {'ratio':>6} {'c=16 tok/s':>11} {'ratio':>6}")
     for name, r in results.items():
+        if "c1" not in r:
+            continue
         ratios = [r[k] / base[k] if base else float("nan") for k in ("c1", "c16")]
         print(f"{name:<10} {r['c1']:>10.1f} {ratios[0]:>6.2f} {r['c16']:>11.1f} {ratios[1]:>6.2f}")
     if bubble:
         print(f"pp2 bubble at c=16: {bubble['bubble']:.1%} of the stages' time idle")
-    for name in ("tp1", "dp2"):
-        chat = results.get(name, {}).get("chat")
-        if chat:
-            print(f"chat workload c=16, {name}: hit rate {chat['hit_rate']:.3f}, "
-                  f"{chat['output_tok_s']:.1f} out tok/s")
+    for key, label in (("chat", "chat"), ("chat_recorded", "chat-recorded")):
+        for name in ("tp1", "dp2"):
+            chat = results.get(name, {}).get(key)
+            if chat:
+                print(f"{label} workload c=16, {name}: hit rate {chat['hit_rate']:.3f} "
+                      f"({chat['hit_tokens']:.0f} of {chat['prompt_tokens']:.0f} prompt tokens), "
+                      f"{chat['output_tok_s']:.1f} out tok/s")
     path = write_result("parallel", {"cpu": cpu_model(), "cores": CORES, "model": args.model.name,
                                      "output_len": args.output_len, "runs": args.runs,
                                      "settings": results, "pp2_bubble": bubble})
