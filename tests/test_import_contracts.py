@@ -1,6 +1,7 @@
 """Which way imports go: the contracts in .importlinter, checked by import-linter.
 
     core       no torch; nothing from memwall beyond config, request, sampling_params
+    planner    no torch (its calibrate module excepted)
     models     no engine, worker or core
     HTTP       only memwall.entrypoints.openai imports fastapi, uvicorn or starlette
     kernels    no memwall.quant
@@ -59,6 +60,7 @@ def test_core_allowlist_names_every_other_memwall_package() -> None:
 # One violation per contract, each in a file every version of the package has.
 PLANTED = {
     "core-no-torch": ("memwall/core/__init__.py", "torch"),
+    "planner-no-torch": ("memwall/planner/__init__.py", "torch"),
     "core-allowlist": ("memwall/core/__init__.py", "memwall.engine"),
     "models-below-engine": ("memwall/models/__init__.py", "memwall.worker"),
     "http-only-in-openai": ("memwall/config.py", "fastapi"),

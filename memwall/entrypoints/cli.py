@@ -1,7 +1,9 @@
-"""The ``memwall`` command: ``generate`` a completion, or ``chat`` interactively.
+"""The ``memwall`` command: ``generate`` a completion, ``chat`` interactively, ``serve`` the
+OpenAI API, or ``plan`` a deployment (memwall/planner/: no model is loaded, no torch imported).
 
-Engine flags are derived from ``EngineArgs`` fields; sampling flags from ``SamplingParams``.
-Every user error ends in one line on stderr and exit code 1, never a traceback.
+Engine flags are derived from ``EngineArgs`` fields, plan flags from ``PlanRequest``'s;
+sampling flags from ``SamplingParams``. Every user error ends in one line on stderr and exit
+code 1, never a traceback.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import typing
 from pathlib import Path
 
 from memwall.config import EngineArgs
+from memwall.planner.request import PlanRequest
 from memwall.sampling_params import SamplingParams, StructuredOutputsParams
 
 SAMPLING_FLAGS = {  # flag -> (type, default, help)
@@ -58,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_sampling_flags(p)
         add_structured_flags(p)
     add_serve_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 
@@ -90,6 +94,75 @@ def add_serve_parser(sub) -> None:
     add_engine_flags(serve)
     # a server expects constrained requests: their grammar backend is built while it starts
     serve.set_defaults(run=run_serve, structured_outputs_warmup=True)
+
+
+def add_plan_parser(sub) -> None:
+    plan = sub.add_parser("plan", help="will a model fit on a device, how fast, how many users "
+                                       "(estimates; loads no model)")
+    plan.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                      help="as --model (GGUF file, Hugging Face directory or built-in name)")
+    hints = typing.get_type_hints(PlanRequest)
+    for name, default, help_text in PlanRequest.cli_fields():
+        flag = "--" + name.replace("_", "-")
+        if name == "what_if":
+            plan.add_argument(flag, action="append", default=None, metavar="KEY=VALUE",
+                              help=help_text)
+            continue
+        base = next((t for t in typing.get_args(hints[name]) if t is not type(None)), hints[name])
+        plan.add_argument(flag, type=base, default=default, help=help_text, dest=f"plan_{name}",
+                          metavar=name.upper())
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--plot", default=None, metavar="PNG",
+                      help="also draw memory bars and throughput vs batch (needs matplotlib)")
+    plan.add_argument("--calibrate", action="store_true",
+                      help="with --device this: measure this machine first (bandwidth, matmul "
+                           "speed) and save it for later plans")
+    plan.set_defaults(run=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from memwall.planner.document import plan_document
+    from memwall.planner.plan import make_plan
+
+    values = {name: getattr(args, f"plan_{name}", None) for name, _, _ in PlanRequest.cli_fields()}
+    values["what_if"] = args.what_if
+    if args.model_path and values["model"] and args.model_path != values["model"]:
+        raise ValueError(f"two models given: {args.model_path!r} and --model {values['model']!r}")
+    values["model"] = values["model"] or args.model_path
+    request = PlanRequest.from_dict(values)
+    if args.calibrate:
+        _calibrate(request)
+    plan = make_plan(request)
+    if args.plot:
+        from memwall.planner.plot import write_plot
+
+        print(f"memwall: wrote {write_plot(plan, args.plot)}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(plan_document(plan), indent=2))
+    else:
+        from memwall.planner.table import plan_table
+
+        print(plan_table(plan))
+    return 0
+
+
+def _calibrate(request: PlanRequest) -> None:
+    """Measures this machine into the calibration file (memwall/planner/calibrate.py's ``run``)."""
+    from memwall.planner.hardware import DEFAULT_CALIBRATION
+
+    if not request.on_host:
+        raise ValueError("--calibrate measures this machine: use it with --device this, not a "
+                         "GPU name")
+    import importlib.util
+
+    if importlib.util.find_spec("memwall.planner.calibrate") is None:
+        raise ValueError("--calibrate is not available in this build (memwall.planner.calibrate "
+                         "is missing); plan with a GPU name, or give --calibration FILE")
+    from memwall.planner import calibrate
+
+    calibrate.run(Path(request.calibration or DEFAULT_CALIBRATION).expanduser())
 
 
 # Where the command line wants another default than the library: people at a terminal like
