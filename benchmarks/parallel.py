@@ -47,13 +47,18 @@ SETTINGS = {
     "tp2-gloo": ["--threads", "1", "--tensor-parallel-size", "2", "--tp-comm", "gloo"],
     "pp2": ["--threads", "1", "--pipeline-parallel-size", "2"],
     "dp2": ["--threads", "1", "--data-parallel-size", "2"],
+    # not run by default: one engine with one thread, to tell numerics from routing in the chat
+    # workload (its histories are the model's own replies, which depend on the thread count)
+    "tp1-1t": ["--threads", "1"],
 }
+DEFAULT_SETTINGS = ("tp1", "tp2", "tp2-gloo", "pp2", "dp2")
+CHAT_SETTINGS = ("tp1", "dp2", "tp1-1t")
 
 
 def serve_command(model: Path, port: int, extra: list[str]) -> ServerCommand:
     exe = REPO / ".venv" / "bin" / "memwall"
     argv = [str(exe) if exe.exists() else "memwall", "serve", str(model), "--host", "127.0.0.1",
-            "--port", str(port), "--max-num-seqs", "16", "--max-model-len", "4096",
+            "--port", str(port), "--max-num-seqs", "16", "--max-model-len", "8192",
             "--no-show-progress", *extra]
     return ServerCommand("memwall", pin_prefix(CORES) + argv)
 
@@ -73,8 +78,9 @@ def run_setting(name: str, args, tok) -> dict:
     if not args.chat_only:
         with ManagedServer(serve_command(args.model, port, SETTINGS[name]), port) as server:
             measure_throughput(name, args, tok, server.base_url, out)
-    if name in ("tp1", "dp2") and not args.skip_chat:
-        for key, recorded in (("chat", False), ("chat_recorded", True)):
+    if name in CHAT_SETTINGS and not args.skip_chat:
+        workloads = [("chat", False)] + ([("chat_recorded", True)] if args.chat_recorded else [])
+        for key, recorded in workloads:
             port = free_port()  # a fresh server: an empty prefix cache for each workload
             with ManagedServer(serve_command(args.model, port, SETTINGS[name]), port) as server:
                 out[key] = chat_run(server.base_url, args, tok, recorded=recorded)
@@ -97,14 +103,17 @@ def measure_throughput(name: str, args, tok, base_url: str, out: dict) -> None:
 
 
 def chat_run(base_url: str, args, tok, recorded: bool) -> dict:
-    """benchmarks/prefix.py's chat workload at c=16 (3 turns, 64-token replies): "chat" sends
+    """benchmarks/prefix.py's chat workload with its defaults (16 ShareGPT conversations of 8
+    turns, replies as long as the recorded ones up to 256 tokens, histories up to 6000 tokens)
+    at c=16: one conversation a slot, its turns one after another. "chat" sends
     back the model's own replies (prompts then depend on the engine's exact numerics: one
     thread a replica rounds differently from two threads, so the histories differ slightly);
     "chat-recorded" sends back ShareGPT's recorded replies (the same prompts for every setting:
     what routing alone does to the hit rate)."""
-    convs = chat_workload(tok, args.conversations, 3, 3000, 64, seed=1, recorded_replies=recorded)
+    convs = chat_workload(tok, args.conversations, args.turns, 6000, 256, seed=0,
+                          recorded_replies=recorded)
     before = cache_counters(base_url)
-    results, duration = asyncio.run(replay(base_url, convs, 16, 64))
+    results, duration = asyncio.run(replay(base_url, convs, 16, 256))
     after = cache_counters(base_url)
     queries = after.get("queries", 0) - before.get("queries", 0)
     hits = after.get("hits", 0) - before.get("hits", 0)
@@ -148,17 +157,21 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--conversations", type=int, default=48)
-    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--conversations", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--chat-recorded", action="store_true",
+                        help="also the chat workload with ShareGPT's recorded replies")
+    parser.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
+                        help=f"comma-separated, of {', '.join(SETTINGS)}")
     parser.add_argument("--skip-chat", action="store_true")
     parser.add_argument("--chat-only", action="store_true",
-                        help="only the chat workloads (tp1 and dp2), no throughput runs")
+                        help="only the chat workloads (of tp1, dp2, tp1-1t), no throughput runs")
     args = parser.parse_args()
     args.model = args.model or embedded_gguf()
     tok = GGUFTokenizer(args.model)
     names = args.settings.split(",")
     if args.chat_only:
-        names = [n for n in names if n in ("tp1", "dp2")]
+        names = [n for n in names if n in CHAT_SETTINGS]
     results = {name: run_setting(name, args, tok) for name in names}
     bubble = pipeline_bubble(args, tok) if "pp2" in names and not args.chat_only else None
     base = results.get("tp1")
@@ -173,7 +186,7 @@ def main() -> None:
     if bubble:
         print(f"pp2 bubble at c=16: {bubble['bubble']:.1%} of the stages' time idle")
     for key, label in (("chat", "chat"), ("chat_recorded", "chat-recorded")):
-        for name in ("tp1", "dp2"):
+        for name in CHAT_SETTINGS:
             chat = results.get(name, {}).get(key)
             if chat:
                 print(f"{label} workload c=16, {name}: hit rate {chat['hit_rate']:.3f} "
