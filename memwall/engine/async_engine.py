@@ -5,10 +5,11 @@ Everything else talks to that thread through a command list guarded by a conditi
 
     event loop (any number)                         engine thread
     ───────────────────────                         ─────────────
-    add_request() ── _Add ─────┐               ┌──> apply commands (add / abort / remove_lora)
-    abort()       ── _Abort ───┼─> [commands] ─┤    engine.step()
-    remove_lora() ── _RemoveLoRA ┘             │    publish EngineStats
-    RequestStream  <── loop.call_soon_threadsafe ───┘ (one call per loop per step)
+    add_request() ── _Add ───────┐               ┌──> apply commands (add / abort / remove_lora /
+    abort()       ── _Abort ─────┼─> [commands] ─┤    watched: a dashboard page is open)
+    remove_lora() ── _RemoveLoRA ┤               │    engine.step()
+    set_watched() ── _Watch ─────┘               │    publish EngineStats
+    RequestStream  <── loop.call_soon_threadsafe ─────┘ (one call per loop per step)
 
 Commands are applied *between* steps, so an abort frees its KV blocks before the next step runs.
 When there is nothing to do the thread sleeps on the condition: no busy spin. Each request has
@@ -37,6 +38,7 @@ from memwall.outputs import RequestOutput
 from memwall.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # only for hints: tests drive this class with a fake engine
+    from memwall.core.live_trace import LiveTrace
     from memwall.engine.llm_engine import LLMEngine
     from memwall.engine.processor import PromptType
     from memwall.engine.protocol import EngineCoreInfo
@@ -77,6 +79,11 @@ class _RemoveLoRA:
 
 
 @dataclass
+class _Watch:
+    watched: bool
+
+
+@dataclass
 class RequestStream:
     """The outputs of one request, in order, as the engine thread produces them.
 
@@ -113,7 +120,7 @@ class AsyncLLMEngine:
         self._restart = restart
         self._restarting: BaseException | None = None  # the failure being recovered from
         self._cond = threading.Condition()
-        self._commands: list[_Add | _Abort | _RemoveLoRA] = []
+        self._commands: list[_Add | _Abort | _RemoveLoRA | _Watch] = []
         self._pending_adds = 0  # submitted adds not yet visible in the published stats
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._stats = EngineStats()
@@ -122,6 +129,7 @@ class AsyncLLMEngine:
         self._abort_all = False  # shutdown without draining
         self._dead: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._watched = False  # a dashboard page is open (re-told to a restarted engine)
 
     # ---- read-only facts (immutable after load: safe from any thread) ----------------------
     @property
@@ -143,6 +151,13 @@ class AsyncLLMEngine:
     @property
     def stats(self) -> EngineStats:
         return self._stats
+
+    @property
+    def live(self) -> "LiveTrace | None":
+        """The engine core's recent steps and block map (memwall/core/live_trace.py), as the
+        engine thread last received them; None for an engine without a core (test fakes). A
+        restart brings a new one (its step indexes start again from 0)."""
+        return getattr(getattr(self.engine, "core", None), "live", None)
 
     @property
     def core_info(self) -> "EngineCoreInfo | None":
@@ -251,6 +266,14 @@ class AsyncLLMEngine:
             self._commands.append(_RemoveLoRA(lora_int_id))
             self._cond.notify()
 
+    def set_watched(self, watched: bool) -> None:
+        """A dashboard page opened, or the last one closed (thread-safe, never blocks): the
+        engine core builds its block map only while one is open."""
+        with self._cond:
+            self._watched = watched
+            self._commands.append(_Watch(watched))
+            self._cond.notify()
+
     def _check_open(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self._dead!r}")
@@ -295,7 +318,7 @@ class AsyncLLMEngine:
         return self.engine.has_unfinished_requests() or (
             core is not None and core.has_unfinished_requests())
 
-    def _wait_for_work(self) -> list[_Add | _Abort | _RemoveLoRA] | None:
+    def _wait_for_work(self) -> list[_Add | _Abort | _RemoveLoRA | _Watch] | None:
         """Sleeps until there are commands or unfinished requests; None when it is time to exit."""
         with self._cond:
             while not self._commands and not self._has_work():
@@ -316,7 +339,7 @@ class AsyncLLMEngine:
         if hasattr(core, "on_death"):
             core.on_death = self._wake
 
-    def _apply(self, commands: list[_Add | _Abort | _RemoveLoRA]) -> int:
+    def _apply(self, commands: list[_Add | _Abort | _RemoveLoRA | _Watch]) -> int:
         adds = 0
         for command in commands:
             if isinstance(command, _Abort):
@@ -324,6 +347,10 @@ class AsyncLLMEngine:
                 continue
             if isinstance(command, _RemoveLoRA):
                 self.engine.remove_lora(command.lora_int_id)
+                continue
+            if isinstance(command, _Watch):
+                if hasattr(self.engine, "set_watched"):  # test fakes have none
+                    self.engine.set_watched(command.watched)
                 continue
             adds += 1
             try:
@@ -373,6 +400,8 @@ class AsyncLLMEngine:
         if engine is None:
             return False
         self._watch(engine)
+        if self._watched and hasattr(engine, "set_watched"):
+            engine.set_watched(True)
         with self._cond:
             self.engine = engine
             self._stats = engine.stats

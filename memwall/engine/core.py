@@ -6,7 +6,8 @@ gives plain outputs back (memwall/engine/protocol.py), so it runs the same in-pr
              executor.submit()                          (pipeline parallel: one step a stage
              executor.collect()    -> RunnerOutput       in flight, each of other requests)
              scheduler.update()    -> requests that got a token (stop checks, cache, free)
-             -> EngineCoreOutputs  (new tokens per sample, finish reasons, stats)
+             -> EngineCoreOutputs  (new tokens per sample, finish reasons, stats, and for the
+                                    live dashboard the step's record: memwall/core/live_trace.py)
 
 It holds no tokenizer and touches no device: text lives on the API side, tensors in the worker.
 Requests that need something first wait in ``_preparing``: a structured-output request for its
@@ -20,12 +21,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 
 from memwall.config import EngineArgs
 from memwall.core.kv.manager import KVCacheManager
+from memwall.core.live_trace import LiveTrace, TraceRecorder
 from memwall.core.scheduler import Scheduler
 from memwall.core.step import SchedulerOutput
+from memwall.core.step_record import record_step
 from memwall.engine.protocol import (EngineCoreInfo, EngineCoreOutput, EngineCoreOutputs,
                                      EngineCoreRequest, EngineStats)
 from memwall.executor import Executor, make_executor
@@ -112,6 +116,13 @@ class EngineCore:
         self._preparing: list[_Preparing] = []
         self._unloading: set[int] = set()
         """Adapters unloaded by the API while requests still use them: dropped when they end."""
+        self.trace = TraceRecorder()
+        """Each step's record and, while a page watches, the block map (the live dashboard)."""
+
+    @property
+    def live(self) -> LiveTrace:
+        """Recent steps and the latest block map, as an in-process dashboard reads them."""
+        return self.trace.live
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, first: EngineCoreRequest, forks: list[EngineCoreRequest] = ()) -> None:
@@ -148,6 +159,14 @@ class EngineCore:
         self._preparing = [c for c in self._preparing if c.samples[0][0].request_id not in gone]
         for request_id in request_ids:
             self.scheduler.abort(request_id)
+        if not self.has_unfinished_requests():  # an in-process dashboard sees the blocks freed
+            self.trace.maybe_view(self.scheduler, force=True)
+
+    def set_watched(self, watched: bool) -> None:
+        """A dashboard page opened (or the last one closed): build the block map while one
+        is open, the first one at once."""
+        self.trace.watched = watched
+        self.trace.maybe_view(self.scheduler, force=True)
 
     def remove_lora(self, lora_int_id: int) -> None:
         """The API side unloaded this adapter: it leaves the workers once no request uses it."""
@@ -160,16 +179,32 @@ class EngineCore:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
+        started, clock = time.time(), time.perf_counter()
         failed = self._admit_prepared()
         self._fill_pipeline()
         if not self._steps:
-            return EngineCoreOutputs(failed, stats=self.stats())
+            return self._outputs(failed)
         sched = self._steps.popleft()
         result = self.executor.collect()
+        # before update(): each request's num_computed_tokens is still where its chunk began
+        record = record_step(self.trace.num_steps, started, sched, result, self.scheduler.requests)
         touched = self.scheduler.update(sched, result)
         if self._unloading:
             self._drop_unloaded()
-        return EngineCoreOutputs(failed + [_output(r) for r in touched], self.stats())
+        record.duration_s = time.perf_counter() - clock
+        self.trace.record(record)
+        return self._outputs(failed + [_output(r) for r in touched])
+
+    def idle(self) -> EngineCoreOutputs:
+        """The answer to a round with nothing to step (an abort freed blocks): stats, and a
+        fresh block map."""
+        return self._outputs([])
+
+    def _outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
+        # An engine going idle gets a fresh map at once: the page must not keep showing blocks
+        # the last step freed until the next request comes.
+        self.trace.maybe_view(self.scheduler, force=not self.has_unfinished_requests())
+        return EngineCoreOutputs(outputs, self.stats(), self.trace.take())
 
     def _fill_pipeline(self) -> None:
         """Submits steps until the executor holds ``pipeline_depth`` of them (one without

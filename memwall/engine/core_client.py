@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable
 
 from memwall.config import EngineArgs
+from memwall.core.live_trace import LiveTrace
 from memwall.engine.core_proc import run_engine_core
 from memwall.engine.protocol import EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest, EngineStats
 
@@ -76,6 +77,8 @@ class MPCoreClient:
         self._dead = False  # set by the reader thread as the pipe closes
         self._death = ""  # why, once dead
         self._reader: threading.Thread | None = None
+        self.live = LiveTrace()
+        """The core's recent steps and block map, as they arrive (the live dashboard)."""
         atexit.register(self.shutdown)  # before multiprocessing's exit hook joins the child
         try:
             self.info, self._stats = self._wait_ready()
@@ -110,6 +113,9 @@ class MPCoreClient:
     def remove_lora(self, lora_int_id: int) -> None:
         self._send(("remove_lora", lora_int_id))
 
+    def set_watched(self, watched: bool) -> None:
+        self._send(("watched", watched))
+
     def has_unfinished_requests(self) -> bool:
         """Requests running, messages the core has not answered yet, or a death to report."""
         return bool(self._inflight) or self._applied < self._sent or self._dead
@@ -131,6 +137,8 @@ class MPCoreClient:
             outputs, self._applied = item
             merged.outputs.extend(outputs.outputs)
             merged.stats = self._stats = outputs.stats
+            if outputs.trace is not None:  # every item's: merging must not drop a step
+                self.live.apply(outputs.trace)
         self._inflight.difference_update(o.request_id for o in merged.outputs if o.finished)
         return merged
 

@@ -7,6 +7,7 @@ one-way pipes of pickled messages. The API side is memwall/engine/core_client.py
                  <── ("failed", one-line message)             ... or the load error, then exit
     ("add", first, forks) ──>                         apply every waiting message,
     ("abort", ids)        ──>                         then step() once if there is work
+    ("watched", bool)     ──>                         (a dashboard page opened / all closed)
     ("shutdown",)         ──>                         (EOF on the pipe means the same)
                  <── ("outputs", EngineCoreOutputs, messages applied so far)
 
@@ -58,8 +59,6 @@ def run_engine_core(args: EngineArgs, requests: Connection, outputs: Connection)
 
 def _serve(core, requests: Connection, outputs: Connection) -> None:
     """Rounds of: every waiting message applied, one step (or just the stats), one reply."""
-    from memwall.engine.protocol import EngineCoreOutputs
-
     applied = 0
     while True:
         if not core.has_unfinished_requests():
@@ -71,13 +70,14 @@ def _serve(core, requests: Connection, outputs: Connection) -> None:
         try:
             for kind, *body in messages:
                 getattr(core, HANDLERS[kind])(*body)
-            news = core.step() if core.has_unfinished_requests() else EngineCoreOutputs(stats=core.stats())
+            news = core.step() if core.has_unfinished_requests() else core.idle()
         except Exception as e:
             raise _StepFailed() from e
         outputs.send(("outputs", news, applied))
 
 
-HANDLERS = {"add": "add_request", "abort": "abort_requests", "remove_lora": "remove_lora"}
+HANDLERS = {"add": "add_request", "abort": "abort_requests", "remove_lora": "remove_lora",
+            "watched": "set_watched"}
 
 
 def _receive_waiting(requests: Connection) -> list[tuple]:

@@ -95,6 +95,12 @@ class DPCoreClient:
             f"{first.info.description}"))
 
     @property
+    def live(self):
+        """Replica 0's recent steps and block map (the live dashboard shows that replica's;
+        its counters, from ``stats``, are all replicas')."""
+        return self.replicas[0].live
+
+    @property
     def processes(self) -> list:
         """The replicas' core processes, in replica order."""
         return [replica.process for replica in self.replicas]
@@ -119,6 +125,9 @@ class DPCoreClient:
     def remove_lora(self, lora_int_id: int) -> None:
         for replica in self.replicas:
             replica.remove_lora(lora_int_id)
+
+    def set_watched(self, watched: bool) -> None:
+        self.replicas[0].set_watched(watched)  # the replica whose block map the page shows
 
     def has_unfinished_requests(self) -> bool:
         return any(replica.has_unfinished_requests() for replica in self.replicas)

@@ -124,6 +124,12 @@ class LLMEngine:
         it once its running requests end."""
         self.core.remove_lora(lora_int_id)
 
+    def set_watched(self, watched: bool) -> None:
+        """A dashboard page is open (or none is any more): the core builds its block map
+        only meanwhile (memwall/core/live_trace.py)."""
+        if hasattr(self.core, "set_watched"):
+            self.core.set_watched(watched)
+
     def has_unfinished_requests(self) -> bool:
         """Requests the API side waits on, or work the core still owes (an abort's freeing)."""
         return self.outputs.has_unfinished or self.core.has_unfinished_requests()

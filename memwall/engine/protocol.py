@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from memwall.config import ModelArchConfig
+from memwall.core.live_trace import TraceUpdate
 from memwall.lora.request import LoRARequest
 from memwall.sampling_params import SamplingParams
 
@@ -150,6 +151,9 @@ class LoRAStatsSnapshot:
 class EngineCoreOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     stats: EngineStats = field(default_factory=EngineStats)
+    trace: TraceUpdate | None = None
+    """The steps recorded since the previous outputs (and a block map, a few times a second),
+    for the live dashboard: memwall/core/live_trace.py."""
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,17 @@ def test_an_abort_reaches_the_replica_running_it(engine):
     assert engine.core.router.stats().in_flight == (0, 0)
 
 
+def test_the_dashboard_watches_replica_0(engine):
+    core = engine.core
+    assert core.live is core.replicas[0].live
+    engine.set_watched(True)  # only replica 0 is told: its map is the one the page shows
+    run(engine, {f"w{i}": [300 + 5 * i + j for j in range(6)] for i in range(4)})
+    view = core.live.view
+    assert view is not None and len(view.states) == 64  # one replica's blocks, not both
+    assert core.live.steps() and core.replicas[1].live.view is None
+    engine.set_watched(False)
+
+
 # Last of the tests on the module's client: it kills one of its replicas (a fresh client would
 # cost another few seconds of start-up).
 def test_a_dead_replica_takes_the_client_down(engine):

@@ -3,7 +3,9 @@
 Routes:  POST /v1/completions   POST /v1/chat/completions   GET /v1/models
          POST /v1/load_lora_adapter   POST /v1/unload_lora_adapter   (--enable-lora; else 400)
          GET /health  GET /metrics  GET /version  POST /tokenize  POST /detokenize
-With an API key, every /v1 route needs ``Authorization: Bearer <key>`` (else 401).
+         GET /dashboard (the live dashboard, and its /dashboard/... data: entrypoints/openai/dashboard/)
+With an API key, every /v1 route needs ``Authorization: Bearer <key>`` (else 401); the
+dashboard's routes take it as that header, ``?key=<key>`` or the cookie that visit sets.
 
 A request's ``model`` is one of the base model's served names, or a LoRA adapter's name
 (``--lora-modules``, or loaded at run time): entrypoints/openai/serving_lora.py.
@@ -33,6 +35,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 import memwall
 from memwall.config import EngineArgs
 from memwall.engine.async_engine import AsyncLLMEngine
+from memwall.entrypoints.openai.dashboard.auth import dashboard_key_ok, is_dashboard_path
+from memwall.entrypoints.openai.dashboard.hub import DashboardHub
+from memwall.entrypoints.openai.dashboard.routes import dashboard_routes
 from memwall.entrypoints.openai.errors import APIError, install_error_handlers
 from memwall.entrypoints.openai.metrics import HTTPMetricsMiddleware, ServerMetrics
 from memwall.entrypoints.openai.protocol import (
@@ -94,7 +99,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings | None = None) ->
     errors = {status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 500, 503)}
     app = FastAPI(title="memwall", version=memwall.__version__, lifespan=lifespan, responses=errors)
     install_error_handlers(app)
-    routers = [openai_routes(completions, chat), lora_routes(models), utility_routes(chat, metrics)]
+    routers = [openai_routes(completions, chat), lora_routes(models), utility_routes(chat, metrics),
+               dashboard_routes(DashboardHub(engine))]
     for router in routers:
         app.include_router(router)
     if settings.api_key:
@@ -174,20 +180,29 @@ def utility_routes(serving: OpenAIServing, metrics: ServerMetrics) -> APIRouter:
 
 
 class BearerAuthMiddleware:
-    """Pure ASGI: /v1 routes need the API key; checked before the body is even read."""
+    """Pure ASGI: /v1 and /dashboard routes need the API key; checked before the body is even
+    read. The dashboard's also take it as ?key= or a cookie (a browser's EventSource cannot
+    send a header): entrypoints/openai/dashboard/auth.py."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
+        self.api_key = api_key
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not scope.get("path", "").startswith("/v1"):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not (path.startswith("/v1") or is_dashboard_path(path)):
             return await self.app(scope, receive, send)
-        given = dict(scope.get("headers") or []).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):  # constant time: no timing oracle
-            return await self.app(scope, receive, send)
-        error = APIError(401, "invalid or missing API key: send the header "
-                              "'Authorization: Bearer <key>'", code="invalid_api_key",
+        if is_dashboard_path(path):
+            if dashboard_key_ok(scope, self.api_key):
+                return await self.app(scope, receive, send)
+            how = "open /dashboard?key=<key>, or send the header 'Authorization: Bearer <key>'"
+        else:
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if hmac.compare_digest(given, self.expected):  # constant time: no timing oracle
+                return await self.app(scope, receive, send)
+            how = "send the header 'Authorization: Bearer <key>'"
+        error = APIError(401, f"invalid or missing API key: {how}", code="invalid_api_key",
                          headers={"WWW-Authenticate": "Bearer"})
         await error.response()(scope, receive, send)
 
@@ -214,7 +229,11 @@ def uvicorn_server(app: FastAPI, log_level: str = "info"):
     import uvicorn
 
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=None, backlog=2048)
-    return uvicorn.Server(config)
+    server = uvicorn.Server(config)
+    # Endless responses (the dashboard's event stream) end when it is told to exit: a graceful
+    # shutdown waits for every open response, so one left open would hold it forever.
+    app.state.uvicorn = server
+    return server
 
 
 def serve(engine: AsyncLLMEngine, settings: ServerSettings, host: str, port: int,
