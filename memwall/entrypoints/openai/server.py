@@ -75,6 +75,9 @@ class ServerSettings:
     """--enable-auto-tool-choice and --tool-call-parser."""
     lora_modules: list[LoRAModulePath] = field(default_factory=list)
     """--lora-modules: adapters served from the start (needs an engine with LoRA enabled)."""
+    served_plan: dict = field(default_factory=dict)
+    """The planner's keys for the served model (path, KV format, parallel sizes): the
+    dashboard's live prediction (dashboard/plan.py)."""
 
 
 def build_app(engine: AsyncLLMEngine, settings: ServerSettings | None = None) -> FastAPI:
@@ -100,7 +103,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings | None = None) ->
     app = FastAPI(title="memwall", version=memwall.__version__, lifespan=lifespan, responses=errors)
     install_error_handlers(app)
     routers = [openai_routes(completions, chat), lora_routes(models), utility_routes(chat, metrics),
-               dashboard_routes(DashboardHub(engine))]
+               dashboard_routes(DashboardHub(engine), settings.served_plan)]
     for router in routers:
         app.include_router(router)
     if settings.api_key:
@@ -273,7 +276,7 @@ def run_server(args) -> int:
     parser = None if args.tool_call_parser == "auto" else args.tool_call_parser
     settings = ServerSettings(served_model_names=names, api_key=api_key, max_queue=args.max_queue,
                               tools=ToolSettings(args.enable_auto_tool_choice, parser),
-                              lora_modules=lora_modules)
+                              lora_modules=lora_modules, served_plan=served_plan(engine_args))
     try:
         app = build_app(engine, settings)  # reads and checks the --lora-modules adapters
     except ValueError as e:
@@ -282,6 +285,17 @@ def run_server(args) -> int:
         return 1
     serve(engine, settings, args.host, args.port, app)
     return 0
+
+
+def served_plan(args: EngineArgs) -> dict:
+    """What the planner needs to predict the served model on this machine (the dashboard's
+    live figure): the same file and formats the engine loads."""
+    plan = {"device": "this", "kv_cache_dtype": args.kv_cache_dtype,
+            "tensor_parallel_size": args.tensor_parallel_size,
+            "pipeline_parallel_size": args.pipeline_parallel_size}
+    if args.model is not None:
+        plan["model"] = str(args.model)
+    return plan
 
 
 def build_engine(args: EngineArgs, core_process: bool = True) -> AsyncLLMEngine:

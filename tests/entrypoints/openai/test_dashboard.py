@@ -1,6 +1,6 @@
 """GET /dashboard and its data: behind the API key (header, ?key= or the cookie that sets), an
 SSE stream whose events carry the engine core's steps and block map across the core process,
-the plan endpoint (501 without memwall.planner), and a shutdown that an open stream cannot hold.
+the plan and prediction endpoints, and a shutdown that an open stream cannot hold.
 """
 
 from __future__ import annotations
@@ -99,13 +99,33 @@ def test_events_carry_steps_and_the_block_map(server):
     assert any(set(v["states"]) - {"."} for v in maps)  # its blocks showed up in use or cached
 
 
-def test_plan_is_501_until_the_planner_exists(server, monkeypatch):
-    monkeypatch.setitem(sys.modules, "memwall.planner", None)  # import fails, as in a build without
-    r = httpx.post(f"{server.url}/dashboard/api/plan", params={"key": API_KEY},
-                   json={"model": "x", "batch": 8}, timeout=10)
-    assert r.status_code == 501
-    error = r.json()["error"]
-    assert error["code"] == "planner_unavailable" and "memwall.planner" in error["message"]
+def test_prediction_plans_the_served_model_at_the_live_batch(server, monkeypatch):
+    seen = []
+    fake = types.ModuleType("memwall.planner")
+    fake.plan_json = lambda request: seen.append(request) or {
+        "device": "this machine", "notes": [],
+        "decode": {"tokens_per_s": 321.5, "bound": "memory"}}
+    monkeypatch.setitem(sys.modules, "memwall.planner", fake)
+    r = httpx.get(f"{server.url}/dashboard/api/prediction",
+                  params={"key": API_KEY, "batch": 6, "context": 700}, timeout=10)
+    assert r.status_code == 200
+    assert r.json() == {"batch": 6, "context": 700, "tokens_per_s": 321.5, "bound": "memory",
+                        "device": "this machine", "notes": []}
+    assert seen == [{"device": "this", "batch": 6, "max_model_len": 700}]
+    bad = httpx.get(f"{server.url}/dashboard/api/prediction",
+                    params={"key": API_KEY, "batch": 0}, timeout=10)
+    assert bad.status_code == 400 and "positive" in bad.json()["error"]["message"]
+
+
+def test_prediction_without_a_calibration_says_how_to_make_one(tmp_path):
+    """The real planner, on the embedded model: memory only until this machine is calibrated."""
+    import asyncio
+
+    from memwall.entrypoints.openai.dashboard.plan import run_prediction
+    served = {"device": "this", "calibration": str(tmp_path / "absent.json")}
+    answer = asyncio.run(run_prediction(served, 4, 256))
+    assert answer["tokens_per_s"] is None and answer["batch"] == 4
+    assert any("--calibrate" in note for note in answer["notes"])
 
 
 def test_plan_answers_what_the_planner_returns(server, monkeypatch):

@@ -1,48 +1,47 @@
-"""POST /dashboard/api/plan: the dashboard's "plan" tab asks ``memwall.planner.plan_json``.
+"""The dashboard's use of the planner (memwall/planner): the "plan" tab's free-form plans, and
+the live panel's prediction for the model being served.
 
-The planner is built in a branch of its own; until it is part of this build the route answers
-501 in the API's error shape, and the tab says so. It is imported on the first call only, so a
-planner that is slow to import (or missing) costs the server nothing at start.
+    POST /dashboard/api/plan        {"model", "dtype", "kv_cache_dtype", "max_model_len",
+                                     "tensor_parallel_size", "pipeline_parallel_size", "batch",
+                                     "gpu" or "device", "price_per_hour", ...}
+                                    -> memwall.planner.plan_json's document
+    GET  /dashboard/api/prediction?batch=B&context=C
+                                    -> {"batch", "context", "tokens_per_s", "bound", "device",
+                                        "notes"}: the served model on this machine (its
+                                        calibration), B sequences decoding at C tokens of context
 
-    request  {"model": ..., "dtype": ..., "kv_cache_dtype": ..., "max_model_len": ...,
-              "tensor_parallel_size": ..., "pipeline_parallel_size": ..., "batch": ...,
-              "gpu": ... or "device": ..., "price_per_hour": ...}
-    answer   whatever plan_json returns (a JSON object: the tab renders it as a table)
+The planner is imported on the first call only: the server's start pays nothing for it. It
+computes for milliseconds, so it runs in a thread, never on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
-from types import ModuleType
 
 from memwall.entrypoints.openai.errors import APIError
 
-PLANNER = "memwall.planner"
-
-
-def load_planner() -> ModuleType | None:
-    """The planner module, or None when this build has none. A planner that is present but
-    fails to import raises: that is a bug to see, not a feature to hide."""
-    try:
-        return importlib.import_module(PLANNER)
-    except ModuleNotFoundError as e:
-        if e.name in (PLANNER, "memwall"):
-            return None
-        raise
-
 
 async def run_plan(request: object) -> dict:
-    """The planner's answer for ``request``. Raises APIError: 400 for a body that is not a JSON
-    object (or that the planner rejects with ValueError), 501 without a planner."""
+    """The planner's answer for ``request``; APIError 400 for a body that is not a JSON object
+    or that the planner rejects (its ValueError's one line)."""
     if not isinstance(request, dict):
         raise APIError(400, f"the plan request must be a JSON object, got {type(request).__name__}")
-    planner = load_planner()
-    if planner is None:
-        raise APIError(501, "the planner is not part of this build (memwall.planner is missing); "
-                            "the plan tab works once it is installed", code="planner_unavailable")
-    plan = await asyncio.to_thread(planner.plan_json, request)  # it may compute: not on the loop
-    if not isinstance(plan, dict):
-        raise APIError(500, f"memwall.planner.plan_json returned {type(plan).__name__}, not a "
-                            "JSON object")
-    return plan
+    from memwall.planner import plan_json
+    try:
+        return await asyncio.to_thread(plan_json, request)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+async def run_prediction(served: dict, batch: int, context: int) -> dict:
+    """The planner's decode rate for the served model (``served``: the plan keys the server
+    knows: model path, KV format, parallel sizes, this machine) at ``batch`` sequences of
+    ``context`` tokens. ``tokens_per_s`` is None while this machine has no calibration (the
+    notes say how to make one)."""
+    if batch < 1 or context < 1:
+        raise APIError(400, f"batch and context must be positive, got {batch} and {context}")
+    plan = await run_plan({**served, "batch": batch, "max_model_len": context})
+    decode = plan.get("decode") or {}
+    return {"batch": batch, "context": context, "tokens_per_s": decode.get("tokens_per_s"),
+            "bound": decode.get("bound"), "device": plan.get("device"),
+            "notes": plan.get("notes", [])}

@@ -5,7 +5,8 @@
     GET  /dashboard/api/events      Server-Sent Events, one every 0.25 s (hub.py)
     GET  /dashboard/api/snapshot    the same state once, as JSON (scripts, tests; its block map
                                     is null unless a page is open: only then is one built)
-    POST /dashboard/api/plan        the planner (plan.py): 501 until memwall.planner exists
+    POST /dashboard/api/plan        the planner (plan.py): the plan tab
+    GET  /dashboard/api/prediction  the planner's decode rate for the served model (plan.py)
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 
 from memwall.entrypoints.openai.dashboard.auth import COOKIE, PREFIX, query_key
 from memwall.entrypoints.openai.dashboard.hub import DashboardHub
-from memwall.entrypoints.openai.dashboard.plan import run_plan
+from memwall.entrypoints.openai.dashboard.plan import run_plan, run_prediction
 from memwall.entrypoints.openai.errors import APIError
 
 STATIC = Path(__file__).parent / "static"
@@ -25,8 +26,11 @@ FILES = {"app.js": "text/javascript", "style.css": "text/css"}
 NO_STORE = {"Cache-Control": "no-store"}
 
 
-def dashboard_routes(hub: DashboardHub) -> APIRouter:
+def dashboard_routes(hub: DashboardHub, served_plan: dict | None = None) -> APIRouter:
+    """``served_plan``: the planner's keys for the served model (its path, KV format, parallel
+    sizes, ``device: this``); the live prediction plans with them."""
     router = APIRouter(prefix=PREFIX, include_in_schema=False)
+    served = {"device": "this", **(served_plan or {})}
 
     @router.get("")
     async def page(raw: Request) -> Response:
@@ -63,5 +67,9 @@ def dashboard_routes(hub: DashboardHub) -> APIRouter:
         except ValueError as e:
             raise APIError(400, f"the plan request is not valid JSON ({e})") from None
         return JSONResponse(await run_plan(body))
+
+    @router.get("/api/prediction")
+    async def prediction(batch: int = 1, context: int = 512) -> Response:
+        return JSONResponse(await run_prediction(served, batch, context), headers=NO_STORE)
 
     return router

@@ -289,13 +289,34 @@ function hatch(g, x, y, w, h) {
 function label(g, text, x, y) { g.fillStyle = "#8a96a6"; g.font = "11px system-ui"; g.fillText(text, x, y); }
 
 // ---- planner prediction next to the live figure --------------------------------------------
-function plannerPrediction(flat) {
-  // The planner's output format is its own: take its first number named like a throughput.
-  const hit = flat.find(([k, v]) => typeof v === "number" && /throughput|tok(en)?s?_?(per|\/)_?s/i.test(k));
-  $("pv-plan").textContent = hit ? `${num(hit[1])} tok/s` : "(no throughput in the plan)";
-  $("pv-note").textContent = hit ? `from the plan's "${hit[0]}"` : $("pv-note").textContent;
-  document.querySelector("#planner-vs-live .badge").className = "badge ready";
-  document.querySelector("#planner-vs-live .badge").textContent = "planner";
+// The served model on this machine at the running batch and its mean context: the planner's
+// decode rate (GET /dashboard/api/prediction) beside the measured one. Asked every 2 s at most,
+// and only while requests run: the planner computes in the server's thread pool.
+let predictionAsked = 0;
+async function refreshPrediction(s) {
+  const batch = s.stats.running;
+  if (!batch || Date.now() - predictionAsked < 2000) return;
+  predictionAsked = Date.now();
+  const running = s.view ? s.view.running : [];
+  const context = running.length
+    ? Math.max(1, Math.round(running.reduce((sum, q) => sum + q[1], 0) / running.length)) : 512;
+  let answer;
+  try {
+    const r = await fetch(`/dashboard/api/prediction?batch=${batch}&context=${context}`);
+    answer = await r.json();
+    if (!r.ok) throw new Error(answer.error ? answer.error.message : r.status);
+  } catch (e) {
+    $("pv-note").textContent = `no prediction: ${e.message || e}`;
+    return;
+  }
+  if (answer.tokens_per_s == null) {
+    $("pv-plan").textContent = "–";
+    $("pv-note").textContent = (answer.notes || []).join("; ") || "no prediction for this device";
+    return;
+  }
+  $("pv-plan").textContent = `${num(answer.tokens_per_s)} tok/s`;
+  $("pv-note").textContent = `decode at batch ${answer.batch}, context ${answer.context} ` +
+    `(${answer.bound}-bound), ${answer.device}`;
 }
 
 // ---- plan tab -----------------------------------------------------------------------------
@@ -354,7 +375,6 @@ $("plan-form").addEventListener("submit", async (event) => {
     tr.append(el("td", "", k), el("td", "", showValue(v)));
     table.appendChild(tr);
   }
-  plannerPrediction(flat);
 });
 
 // ---- the stream ---------------------------------------------------------------------------
@@ -376,6 +396,7 @@ function onEvent(message) {
     renderBatching(s.batching);
   }
   $("p-model").placeholder = `the planner's default (serving: ${s.model})`;
+  refreshPrediction(s);
 }
 
 function highlight(rid) {
