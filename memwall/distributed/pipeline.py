@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from memwall.config import ModelArchConfig
+from memwall.distributed.stage_split import balanced_stages
 
 PIPE_SLOT_BYTES = 8 << 20  # a 2048-token chunk of a 1024-wide model; larger ones spill to a segment
 PIPE_SLOTS = 4
@@ -60,29 +61,8 @@ def layer_cost(arch: ModelArchConfig) -> int:
 def stage_layers(arch: ModelArchConfig, stages: int) -> list[tuple[int, int]]:
     """Contiguous layer ranges, one per stage, minimizing the heaviest stage (the LM head's
     weights counted with the last); every stage gets at least one layer."""
-    n = arch.num_hidden_layers
-    if stages > n:
-        raise ValueError(f"{stages} pipeline stages need at least {stages} layers; this model "
-                         f"has {n}: use pipeline_parallel_size <= {n}")
-    unit, head = layer_cost(arch), arch.vocab_size * arch.hidden_size
-    # best[s][i]: the smallest possible heaviest stage when stages s.. hold layers i..n-1
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[stages][n] = 0
-    for s in range(stages - 1, -1, -1):
-        for i in range(n - (stages - s), -1, -1):
-            for j in range(i + 1, n - (stages - s - 1) + 1):
-                cost = (j - i) * unit + (head if s == stages - 1 else 0)
-                worst = max(cost, best[s + 1][j])
-                if worst < best[s][i]:
-                    best[s][i], cut[s][i] = worst, j
-    bounds, start = [], 0
-    for s in range(stages):
-        stop = cut[s][start]
-        bounds.append((start, stop))
-        start = stop
-    return bounds
+    return balanced_stages(arch.num_hidden_layers, stages, layer_cost(arch),
+                           arch.vocab_size * arch.hidden_size)
 
 
 def stage_of(index: int, size: int, arch: ModelArchConfig) -> PipelineStage:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from memwall.distributed.stage_split import balanced_stages
 from memwall.planner.shapes import ModelShape
 
 
@@ -80,25 +81,6 @@ def rank_share(shape: ModelShape, tp: int) -> RankShare:
 
 def stage_layers(shape: ModelShape, stages: int) -> list[tuple[int, int]]:
     """[start, stop) layers per stage, minimizing the heaviest stage's decode reads (every
-    layer's matrices; the LM head with the last stage): memwall.distributed.pipeline's rule."""
-    n = shape.layers
-    if stages > n:
-        raise ValueError(f"{stages} pipeline stages need at least {stages} layers; this model "
-                         f"has {n}: use pipeline_parallel_size <= {n}")
-    unit, head = shape.layer_matrix_params(), shape.vocab * shape.hidden
-    inf = float("inf")
-    # best[s][i]: the smallest possible heaviest stage when stages s.. hold layers i..n-1
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[stages][n] = 0
-    for s in range(stages - 1, -1, -1):
-        for i in range(n - (stages - s), -1, -1):
-            for j in range(i + 1, n - (stages - s - 1) + 1):
-                worst = max((j - i) * unit + (head if s == stages - 1 else 0), best[s + 1][j])
-                if worst < best[s][i]:
-                    best[s][i], cut[s][i] = worst, j
-    bounds, start = [], 0
-    for s in range(stages):
-        bounds.append((start, cut[s][start]))
-        start = cut[s][start]
-    return bounds
+    layer's matrices; the LM head with the last stage): the engine's own rule and code."""
+    return balanced_stages(shape.layers, stages, shape.layer_matrix_params(),
+                           shape.vocab * shape.hidden)
