@@ -66,7 +66,8 @@ def worker_memwall(model: str, threads: int, decode_tokens: int, prompt_tokens: 
     while engine.has_unfinished_requests():
         engine.step()
     decode_s = time.perf_counter() - start
-    result = {"prefill_tok_s": prompt_tokens / prefill_s, "decode_tok_s": decode_tokens / decode_s}
+    result = {"prefill_tok_s": prompt_tokens / prefill_s, "decode_tok_s": decode_tokens / decode_s,
+              "step_budget": engine.core.scheduler.config.max_num_batched_tokens}
     if batch:  # throughput: all requests at once, continuous batching
         prompts = _batch_prompts(llm.tokenizer, batch["requests"], batch["prompt_tokens"])
         params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=batch["output_tokens"])

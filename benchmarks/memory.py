@@ -86,11 +86,29 @@ def worker_memwall(spec: dict) -> dict:
     out = llm.generate([spec["prompt"]], params)[0]
     stage("generate")
     status = proc_status()
-    return {"peak_rss_mb": status["VmHWM"], "rss_mb": status["VmRSS"],
+    return {"peak_rss_mb": status["VmHWM"], "rss_mb": status["VmRSS"], **kv_allocation(llm),
             "rss_anon_mb": status["RssAnon"], "rss_file_mb": status["RssFile"],
             "anon_huge_mb": status.get("AnonHugePages"),
             "rss_after_mb": stages, "peak_after_mb": peaks, "load_s": load_s,
             "prompt_tokens": len(out.prompt_token_ids), "output_tokens": len(out.outputs[0].token_ids)}
+
+
+def kv_allocation(llm) -> dict:
+    """What the engine allocated for its KV cache (every layer's K and V, int8's scales too), and
+    per token of it; {} where the worker is in another process. The step budget it chose too."""
+    from memwall.attention import kv_quant
+
+    core = llm.engine.core
+    try:
+        caches = core.executor.worker.runner.kv_caches
+    except AttributeError:
+        return {}
+    total = sum(t.numel() * t.element_size() + (0 if kv_quant.scales_of(t) is None else
+                                                kv_quant.scales_of(t).numel() * 4)
+                for pair in caches for t in pair)
+    tokens = core.kv.pool.num_blocks * core.kv.block_size if hasattr(core, "kv") else 0
+    return {"kv_cache_bytes": total, "kv_bytes_per_token": total / tokens if tokens else None,
+            "step_budget": core.scheduler.config.max_num_batched_tokens}
 
 
 def run_memwall(args: argparse.Namespace, prompt: str) -> dict:

@@ -1,6 +1,6 @@
 """Where benchmark results go and how: one JSON file per run in benchmarks/results/, named
-<kind>-<time>.json, with this checkout's absolute paths made relative to it (a result file
-must not name the machine it was written on)."""
+<kind>-<time>.json, with this checkout's absolute paths made relative to it and the home
+directory written as ~ (a result file must not name the machine it was written on)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+HOME = str(Path.home())
 RESULTS = ROOT / "benchmarks" / "results"
 
 
 def portable(value: Any) -> Any:
     """``value`` with every string that names a path inside this checkout made relative to it,
-    and NaN and inf as null (strict JSON readers refuse them)."""
+    the home directory as ~ (caches, baseline builds), and NaN and inf as null (strict JSON
+    readers refuse them)."""
     if isinstance(value, dict):
         return {k: portable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -25,7 +27,8 @@ def portable(value: Any) -> Any:
     if isinstance(value, Path):
         value = str(value)
     if isinstance(value, str):
-        return value.replace(f"{ROOT}/", "")
+        value = value.replace(f"{ROOT}/", "")
+        return value.replace(f"{HOME}/", "~/") if HOME not in ("/", "") else value
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value

@@ -11,6 +11,7 @@ from typing import Any
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_STEP_BUDGET = 2048  # tokens a step, where none was set or measured
+DEFAULT_MAX_NUM_SEQS = 64  # sequences at once, where none was set or sized from a calibration
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ class SchedulerConfig:
 
     max_num_batched_tokens: int = DEFAULT_STEP_BUDGET
     """Token budget per step: prefill chunks plus decodes."""
-    max_num_seqs: int = 64
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     """Most sequences running at once."""
     max_model_len: int | None = None
     """Context window (prompt + output); None = the model's own."""
@@ -384,9 +385,18 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _arg(None, "token budget per engine step (prefill chunks + "
                                                     "decodes); default: chosen at start-up from the "
                                                     "measured speed of this CPU's kernels "
-                                                    "(memwall/worker/step_shape.py), 2048 on cuda "
-                                                    "or without chunked prefill")
-    max_num_seqs: int = _arg(64, "most sequences running at once")
+                                                    "(memwall/worker/step_shape.py) or predicted "
+                                                    "from --calibration, 2048 on cuda or without "
+                                                    "chunked prefill")
+    max_num_seqs: int | None = _arg(None, "most sequences running at once (default 64; on the "
+                                          "CPU with --calibration: the requests at full context "
+                                          "the KV cache holds, at most 64)")
+    calibration: str | None = _arg(None, "calibration file (memwall plan --device this "
+                                         "--calibrate) from whose measured speeds the planner "
+                                         "sizes the CPU step budget and max sequences where "
+                                         "those flags are not given; auto: "
+                                         "~/.cache/memwall/calibration.json if it exists (the "
+                                         "command line's default); none: measure at start-up")
     max_model_len: int | None = _arg(None, "context window in tokens (default: the model's)")
     enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
     prefix_caching: bool = _arg(True, "reuse the KV cache of shared prompt prefixes")
@@ -457,6 +467,8 @@ class EngineArgs:
                              f"{self.kv_cache_dtype!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         self.speculative()  # a bad speculative config fails here, before a model loads
         self._check_parallel()
         if self.enable_lora:
@@ -514,8 +526,9 @@ class EngineArgs:
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
         max_len = min(self.max_model_len or model_max_len, model_max_len)
         budget = self.max_num_batched_tokens or DEFAULT_STEP_BUDGET  # measured later if None
+        seqs = self.max_num_seqs or DEFAULT_MAX_NUM_SEQS  # sized from a calibration if None
         return SchedulerConfig(max_num_batched_tokens=budget,
-                               max_num_seqs=self.max_num_seqs, max_model_len=max_len,
+                               max_num_seqs=seqs, max_model_len=max_len,
                                enable_chunked_prefill=self.enable_chunked_prefill,
                                scheduling_policy=self.scheduling_policy,
                                preemption_mode=self.preemption_mode,

@@ -19,7 +19,6 @@ else waits for them.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from memwall.core.live_trace import LiveTrace, TraceRecorder
 from memwall.core.scheduler import Scheduler
 from memwall.core.step import SchedulerOutput
 from memwall.core.step_record import record_step
+from memwall.engine import sizing
 from memwall.engine.protocol import (EngineCoreInfo, EngineCoreOutput, EngineCoreOutputs,
                                      EngineCoreRequest, EngineStats)
 from memwall.executor import Executor, make_executor
@@ -41,8 +41,6 @@ from memwall.structured.manager import PendingGrammar, StructuredOutputManager
 # With nothing to run but grammars compiling, a step waits this long for one to finish
 # (instead of returning at once and being called again in a busy loop).
 COMPILE_WAIT_S = 0.05
-DEFAULT_PREFILL_TOK_S = 1000.0
-"""Prefill speed assumed where the step shape was not measured (what a KV block costs to redo)."""
 
 
 @dataclass
@@ -82,18 +80,14 @@ class EngineCore:
         sched_cfg = args.scheduler_config(model.max_len)
         plan = self.executor.determine_num_blocks(args.cache_config(), sched_cfg)
         self.max_model_len = min(sched_cfg.max_model_len, plan.max_tokens)
-        self.executor.init_cache(plan, sched_cfg.max_num_seqs, self.max_model_len)
-        shape = None
-        if args.max_num_batched_tokens is None and sched_cfg.enable_chunked_prefill:
-            shape = self.executor.measure_step_shape(sched_cfg.max_num_seqs, plan.block_size)
-            if shape is not None:
-                sched_cfg = dataclasses.replace(sched_cfg,
-                                                max_num_batched_tokens=shape.max_num_batched_tokens)
+        sizes = sizing.choose(args, model, plan, self.max_model_len, sched_cfg)
+        self.executor.init_cache(plan, sizes.sched.max_num_seqs, self.max_model_len)
+        sizes = sizing.measure(args, sizes, plan.block_size, self.executor)
+        sched_cfg = sizes.sched
         self.kv = KVCacheManager(plan.num_blocks, plan.block_size,
                                  args.cache_config().enable_prefix_caching, plan.num_swap_blocks)
         self.scheduler = Scheduler(sched_cfg, self.kv)
-        description = f"{plan.describe()}; context window {self.max_model_len} tokens; " + (
-            shape.describe() if shape else f"step budget {sched_cfg.max_num_batched_tokens} tokens")
+        description = f"{plan.describe()}; context window {self.max_model_len} tokens; {sizes.text}"
         device_text = self.executor.describe()
         self.info = EngineCoreInfo(model.name, self.max_model_len, model.vocab_size,
                                    sched_cfg.max_num_seqs,
@@ -108,8 +102,7 @@ class EngineCore:
                      if args.enable_lora else None)
         if self.lora is not None and self.lora.cache_policy == "adapter-aware":
             self.kv.pool.evict_value = self.lora.kv_value
-            prefill = shape.prefill_tokens_per_s if shape is not None else DEFAULT_PREFILL_TOK_S
-            self.kv.pool.block_cost_s = plan.block_size / prefill
+            self.kv.pool.block_cost_s = plan.block_size / sizes.prefill_tokens_per_s
             self.lora.attach_pool(self.kv.pool, self.executor.park_lora, self._adapters_in_use)
         self._steps: collections.deque[SchedulerOutput] = collections.deque()
         """Steps submitted to the executor and not yet collected, oldest first."""

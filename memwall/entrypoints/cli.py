@@ -166,8 +166,9 @@ def _calibrate(request: PlanRequest) -> None:
 
 
 # Where the command line wants another default than the library: people at a terminal like
-# to see the model loading.
-CLI_DEFAULTS = {"show_progress": True}
+# to see the model loading, and the CPU engine sizes its steps from this machine's calibration
+# when one was made (memwall/engine/sizing.py); library users opt in with calibration=PATH.
+CLI_DEFAULTS = {"show_progress": True, "calibration": "auto"}
 # Engine fields with no flag: --seed is the per-request sampling seed on the command line.
 CLI_HIDDEN = {"seed"}
 

@@ -14,6 +14,17 @@ this --calibrate``: memwall/planner/calibrate.py) holds this machine's measured 
      "matmul_flops": {"int8_decode": 6e10, "fp32": 9e10, "bf16": 2e11},
      "memory_bytes": 8.3e9, "measured_at": "2025-06-01T12:00:00"}
 
+and, from memwall's own kernels and engine (all optional: a file without them plans with the
+plain roofline; ``HostRates`` below says why each exists):
+
+     "decode_bandwidth_share": {"q4": 0.1, "q8": 0.12}, "decode_row_s": {"q4": 2e-8, ...},
+     "prefill_flops": {"q4": 1.3e11, "q4_large": 1e11, ...},
+     "prefill_weight_s": {"q4": 6e-10, "q4_large": 3e-9, ...},
+     "attention_flops": 3e10,
+     "host_s": {"decode_step": 1e-3, "decode_layer": 2e-5, "prefill_step": 3e-3,
+                "prefill_layer": 2e-4, "prefill_value_layer": 3e-12},
+     "runtime_rss_bytes": 3.2e8, "huge_page_bytes": 2097152, "prefill_copy_bytes": 4
+
 Measured figures are what memwall reached, so their efficiencies are 1.0. The contract with
 the measuring module: ``memwall.planner.calibrate.run(path)`` writes that file (it alone in
 memwall/planner/ may import torch; the CLI imports it only for --calibrate).
@@ -59,6 +70,48 @@ GPU_ALIASES = {"h100": "H100-SXM", "a100": "A100-80GB", "4090": "RTX-4090", "h10
 
 
 @dataclass(frozen=True)
+class HostRates:
+    """What a calibration measured of memwall's CPU engine beyond bandwidth and peak FLOP/s.
+    Each figure exists because the plain roofline missed this machine's measured decode or
+    prefill speed or peak RSS by more than the 15% the planner aims at (benchmarks/
+    plan_validate.py); memwall/planner/host.py turns them into roofline terms."""
+
+    decode_share: dict[str, float] = field(default_factory=dict)
+    """Weight layout (q4, q8) -> the share of the stream bandwidth at which memwall's B=1
+    kernels read it: a decode step's weights stream at this rate, not at the raw bandwidth
+    (the integer-activation GEMV unpacks codes as it reads them: on 2 AVX2 cores it reaches a
+    tenth of what a plain sum reads) ..."""
+    decode_row_s: dict[str, float] = field(default_factory=dict)
+    """... plus this many seconds per output row: short rows stream slower (SmolLM2's LM head,
+    49,152 rows of 576 weights, took twice its bytes' time)."""
+    prefill_flops: dict[str, float] = field(default_factory=dict)
+    """Layout -> FLOP/s per prompt token of memwall's quantized matmul at prefill sizes (on a
+    CPU without its fp32 tiles, BLAS on the dequantized weight); ``<layout>_large``: for a
+    weight of more than host.LARGE_WEIGHTS values ..."""
+    prefill_weight_s: dict[str, float] = field(default_factory=dict)
+    """... and the seconds per weight a prefill chunk pays once, whatever its size
+    (dequantizing the weight for BLAS: 40% of a 1B model's 176-token chunk on 2 AVX2 cores,
+    its large copies coming from fresh pages each time)."""
+    attention_flops: float | None = None
+    """FLOP/s of prefill attention (torch's SDPA), which is slower than the matmuls."""
+    host: dict[str, float] = field(default_factory=dict)
+    """Seconds the engine spends beyond bytes and FLOPs, measured on tiny models whose steps
+    are nearly all overhead: decode_step + L x decode_layer a decode step (scheduling,
+    sampling, detokenizing, decode.c's per-layer launches: a millisecond of SmolLM2's 18),
+    prefill_step + L x (prefill_layer + n (H + I) prefill_value_layer) a prefill chunk of n
+    tokens (the torch path's per-op costs and elementwise work: 8% of SmolLM2's prefill)."""
+    runtime_bytes: int | None = None
+    """Resident bytes of an engine process serving a tiny model: Python, torch, memwall and
+    its kernels, before any weights (the part of peak RSS that no model shape predicts)."""
+    huge_page_bytes: int = 0
+    """Transparent huge page size where the kernel backs madvised memory with them (numpy's
+    large arrays, e.g. the KV cache): a touched KV tensor is resident in such units."""
+    prefill_copy_bytes: int = 0
+    """Bytes per weight of the copy a prefill matmul makes of its weight while it runs (4: the
+    float32 weight BLAS multiplies by): the largest matrix's copy is part of peak RSS."""
+
+
+@dataclass(frozen=True)
 class Device:
     """One device a rank runs on: its memory, bandwidth and peak FLOP/s by number format
     (bf16, fp8, fp32, int8_decode: the kinds a calibration measures)."""
@@ -72,6 +125,9 @@ class Device:
     compute_efficiency: float = COMPUTE_EFFICIENCY
     is_gpu: bool = True
     source: str = "vendor datasheet"
+    host: HostRates | None = None
+    """A calibrated CPU's measurements of memwall's own kernels and engine (None: a GPU, or a
+    calibration file without them)."""
 
     @property
     def achievable_bandwidth(self) -> float | None:
@@ -127,7 +183,8 @@ class Device:
         cores = f", {data['cores']} cores" if data.get("cores") else ""
         return cls(f"this machine ({cpu}{cores})", memory, bandwidth,
                    {str(k): float(v) for k, v in flops.items()}, 1.0, 1.0, False,
-                   f"calibration {path} ({data.get('measured_at', 'date unknown')})")
+                   f"calibration {path} ({data.get('measured_at', 'date unknown')})",
+                   _host_rates(data, path))
 
     @classmethod
     def this_machine(cls, calibration: str | os.PathLike | None = None) -> "Device":
@@ -137,6 +194,32 @@ class Device:
             return cls.from_calibration(path)
         return cls("this machine (not calibrated)", total_ram_bytes(), None, {}, 1.0, 1.0,
                    False, f"/proc/meminfo; no calibration at {path}")
+
+
+def _host_rates(data: dict, path: Path) -> HostRates | None:
+    """The optional engine figures of a calibration file (HostRates); None when it has none."""
+    tables = {}
+    for key in ("decode_bandwidth_share", "decode_row_s", "prefill_flops", "prefill_weight_s",
+                "host_s"):
+        table = data.get(key) or {}
+        if not isinstance(table, dict) or not all(_positive(v) or v == 0 for v in table.values()):
+            raise ValueError(f"calibration file {str(path)!r}: {key} must map names to "
+                             f"numbers >= 0, got {table!r}")
+        tables[key] = {str(k): float(v) for k, v in table.items()}
+    scalars = {k: data.get(k) for k in ("attention_flops", "runtime_rss_bytes", "huge_page_bytes",
+                                        "prefill_copy_bytes")}
+    for key, value in scalars.items():
+        if value is not None and not (_positive(value) or value == 0):
+            raise ValueError(f"calibration file {str(path)!r}: {key} must be a number >= 0, "
+                             f"got {value!r}")
+    if not any(tables.values()) and all(v is None for v in scalars.values()):
+        return None
+    runtime = scalars["runtime_rss_bytes"]
+    return HostRates(tables["decode_bandwidth_share"], tables["decode_row_s"],
+                     tables["prefill_flops"], tables["prefill_weight_s"],
+                     scalars["attention_flops"] or None,
+                     tables["host_s"], int(runtime) if runtime else None,
+                     int(scalars["huge_page_bytes"] or 0), int(scalars["prefill_copy_bytes"] or 0))
 
 
 def _positive(value) -> bool:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from memwall.planner.cost import apply_what_if, usd_per_million_tokens
 from memwall.planner.hardware import Device, parse_gpus
+from memwall.planner.host import HostTerms, cpu_weights, host_terms
 from memwall.planner.layout import Layout, rank_share
 from memwall.planner.memory import MemoryPlan, Weights, model_weights, plan_memory
 from memwall.planner.precision import (QUANTIZATIONS, compute_dtype, kv_bytes_per_token_head,
@@ -40,6 +41,7 @@ class Plan:
     batch: int
     prompt: int
     decode_model: StepModel | None
+    prefill_model: StepModel | None
     decode: DecodeStep | None
     decode_one: DecodeStep | None
     curve: list[DecodeStep]
@@ -70,7 +72,8 @@ def make_plan(request: PlanRequest, with_what_ifs: bool = True) -> Plan:
     step, prefill_step = _step_models(request, model, weights, device, layout, kv, compute,
                                       quant, notes)
     plan = Plan(request, model, device, devices, layout, compute, quant, kv, weights, memory,
-                context, batch, prompt, step, None, None, [], None, None, None, None, notes)
+                context, batch, prompt, step, prefill_step, None, None, [], None, None, None,
+                None, notes)
     if step is not None:
         plan = _speeds(plan, step, prefill_step)
     if with_what_ifs:
@@ -136,8 +139,22 @@ def _step_models(request: PlanRequest, model: ModelSource, weights: Weights, dev
     base = StepModel(weights.total_bytes / ranks, kv_r, shape.matmul_params / ranks,
                      4 * shape.heads * shape.head_dim * shape.layers / ranks, bandwidth,
                      decode_flops[0], layout, shape.layers, request.allreduce_us * 1e-6,
-                     request.p2p_us * 1e-6)
-    return base, replace(base, flops=prefill_flops[0])
+                     request.p2p_us * 1e-6, shape.vocab * shape.hidden / ranks)
+    prefill_step = replace(base, flops=prefill_flops[0])
+    terms = host_terms(device, cpu_weights(model, quant), shape, shape.layers // pp, ranks)
+    if terms is None:
+        return base, prefill_step
+    return _with_host(base, prefill_step, terms)
+
+
+def _with_host(decode: StepModel, prefill: StepModel,
+               terms: HostTerms) -> tuple[StepModel, StepModel]:
+    """The step models with a calibrated CPU's terms (memwall/planner/host.py)."""
+    decode = replace(decode, weight_read_s=terms.weight_read_s, host_s=terms.decode_host_s)
+    prefill = replace(prefill, host_s=terms.prefill_host_s, host_token_s=terms.prefill_token_s,
+                      chunk_matmuls=terms.prefill_matmul_s, attention_flops=terms.attention_flops,
+                      masked_chunks=True)
+    return decode, prefill
 
 
 def _flops_kinds(device: Device, compute: str, quant: str,

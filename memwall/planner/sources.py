@@ -36,6 +36,12 @@ class GGUFWeights:
     """output_norm, rope_freqs and anything else outside the layers."""
     types: dict[str, int] = field(default_factory=dict)
     """Tensor type -> how many tensors have it (Q4_1: 210, F32: 61, ...)."""
+    params: dict[str, int] = field(default_factory=dict)
+    """Tensor type -> weights of that type in the file (all tensors)."""
+    layer_matrix_params: dict[str, int] = field(default_factory=dict)
+    """Tensor type -> weights of the layers' matrices (blk.N.*, 2-D) of that type."""
+    head_type: str = ""
+    """The LM head's type (output.weight, or the embedding when tied)."""
 
     @property
     def total_bytes(self) -> int:
@@ -166,8 +172,18 @@ def _group_tensors(tensors, layers: int) -> GGUFWeights:
     per_layer = [0] * layers
     embedding = head = other = 0
     types: dict[str, int] = {}
+    params: dict[str, int] = {}
+    matrices: dict[str, int] = {}
+    head_type = ""
+    tied = not any(t.name == "output.weight" for t in tensors)
     for t in tensors:
-        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+        kind, count = t.tensor_type.name, int(t.n_elements)
+        types[kind] = types.get(kind, 0) + 1
+        params[kind] = params.get(kind, 0) + count
+        if t.name.startswith("blk.") and len(t.shape) == 2:
+            matrices[kind] = matrices.get(kind, 0) + count
+        if t.name == "output.weight" or (tied and t.name == "token_embd.weight"):
+            head_type = kind
         if t.name.startswith("blk."):
             per_layer[int(t.name.split(".")[1])] += t.n_bytes
         elif t.name == "token_embd.weight":
@@ -176,7 +192,8 @@ def _group_tensors(tensors, layers: int) -> GGUFWeights:
             head += t.n_bytes
         else:
             other += t.n_bytes
-    return GGUFWeights(tuple(per_layer), embedding, head, other, types)
+    return GGUFWeights(tuple(per_layer), embedding, head, other, types, params, matrices,
+                       head_type)
 
 
 def _meta(reader, key: str):

@@ -29,7 +29,10 @@ most of the throughput and still cuts TTFT p50 to ~0.6x of one-step prefill.
 Attention is left out of the measurement: at the short contexts where the budget matters its
 cost is a small share of the projections'. A budget the user sets (``max_num_batched_tokens``)
 is used as given; CUDA keeps config.DEFAULT_STEP_BUDGET (its kernels are not the ones measured
-here), and so does a scheduler without chunked prefill (a prompt must fit one step).
+here), and so does a scheduler without chunked prefill (a prompt must fit one step). Where a
+calibration file is given (EngineArgs.calibration; memwall serve finds the default one), the
+planner predicts the two speeds instead and nothing is timed here: the policy, ``choose_budget``
+and its constants, lives in memwall/planner/serving.py for both.
 """
 
 from __future__ import annotations
@@ -40,14 +43,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from memwall.config import DEFAULT_STEP_BUDGET
-
-MAX_BUDGET = DEFAULT_STEP_BUDGET  # the most a measured budget may be
-MIN_BUDGET = 64
-MIXED_STEP_FACTOR = 4.0  # a step with a prefill chunk may cost this many decode-only steps
-MIN_PREFILL_SLICE_S = 1.0  # ... or this long, whichever is more (see above)
-PREFILL_PROBE = 128  # tokens of the measured prefill chunk
-MAX_DECODE_PROBE = 16  # decode batch measured (max_num_seqs when smaller)
+from memwall.planner.serving import (MAX_BUDGET, MAX_DECODE_PROBE, MIN_BUDGET,  # noqa: F401
+                                     MIN_PREFILL_SLICE_S, MIXED_STEP_FACTOR, PREFILL_PROBE,
+                                     choose_budget)
 
 
 @dataclass(frozen=True)
@@ -61,16 +59,6 @@ class StepShape:
         return (f"step budget {self.max_num_batched_tokens} tokens (measured here: a "
                 f"{self.decode_batch}-sequence decode step {self.decode_step_s * 1e3:.1f} ms, "
                 f"prefill {self.prefill_tokens_per_s:.0f} tokens/s)")
-
-
-def choose_budget(decode_step_s: float, prefill_tokens_per_s: float, decode_batch: int,
-                  block_size: int) -> int:
-    """decode_batch + the prefill tokens that fit in max((MIXED_STEP_FACTOR - 1) decode steps,
-    MIN_PREFILL_SLICE_S), rounded down to whole blocks, within [MIN_BUDGET, MAX_BUDGET]."""
-    slice_s = max((MIXED_STEP_FACTOR - 1.0) * decode_step_s, MIN_PREFILL_SLICE_S)
-    chunk = prefill_tokens_per_s * slice_s
-    chunk = int(chunk) // block_size * block_size
-    return max(MIN_BUDGET, min(MAX_BUDGET, decode_batch + chunk))
 
 
 def _projections(model: nn.Module) -> list[nn.Module]:

@@ -46,6 +46,8 @@ class ModelInfo:
     arch: ModelArchConfig
     vocab: VocabInfo | None = None
     """The tokenizer's tokens, for structured outputs' grammars (compiled in the engine core)."""
+    device: str = "cpu"
+    """Where the worker runs the model: cpu or cuda."""
 
     @property
     def vocab_size(self) -> int:
@@ -119,7 +121,8 @@ class Worker:
         tokenizer = self.loaded.tokenizer
         vocab = VocabInfo(tokenizer.backend, self.loaded.arch.vocab_size,
                           tuple(sorted(tokenizer.eos_token_ids)))
-        return ModelInfo(self.loaded.name, self.loaded.arch, vocab)
+        return ModelInfo(self.loaded.name, self.loaded.arch, vocab,
+                         "cuda" if dev.is_cuda else "cpu")
 
     def _load_draft_model(self) -> None:
         """The drafter of ``"method": "draft_model"``, loaded as the target is, its tokenizer
