@@ -79,7 +79,7 @@ def worker_memwall(spec: dict) -> dict:
     start = time.perf_counter()
     llm = LLM(spec["model"], threads=spec["threads"], block_size=BLOCK,
               num_kv_blocks=spec["ctx"] // BLOCK, max_model_len=spec["ctx"],
-              quantization=spec["quantization"])
+              quantization=spec["quantization"], **spec.get("engine_args", {}))
     load_s = time.perf_counter() - start
     stage("load")
     params = SamplingParams(temperature=0, max_tokens=spec["decode_tokens"], ignore_eos=True)
@@ -113,7 +113,8 @@ def kv_allocation(llm) -> dict:
 
 def run_memwall(args: argparse.Namespace, prompt: str) -> dict:
     spec = {"model": args.model, "threads": args.threads, "ctx": args.ctx, "prompt": prompt,
-            "decode_tokens": args.decode_tokens, "quantization": args.quantization}
+            "decode_tokens": args.decode_tokens, "quantization": args.quantization,
+            "engine_args": getattr(args, "engine_args", {})}
     cmd = pin_prefix(args.threads) + [sys.executable, __file__, "--worker", json.dumps(spec)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)

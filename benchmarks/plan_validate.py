@@ -19,7 +19,10 @@ before it measures, and both sides are medians over the same stretch of time):
                         cache, a 512-token prompt and 128 decoded tokens)
 3. Measurements in pinned subprocesses: benchmarks/cpu.py's memwall worker (decode and prefill
    tok/s) and benchmarks/memory.py's (peak RSS, VmHWM, and the KV cache the engine allocated,
-   per token), as those scripts run them.
+   per token), as those scripts run them, with the run's calibration file as the engines'
+   ``calibration`` (what `memwall serve` does with this machine's): their step budget is the
+   one predicted, not one each engine times at start-up (on a shared VM that moved between 288
+   and 400 tokens, and the 512-token prompt's chunks and speed with it).
 
 Models: ``smollm`` (the embedded SmolLM2-135M Q4_1 GGUF) and ``llama-1b`` (Llama-3.2-1B's
 shape, benchmarks/synthetic_gguf.py's ``cached()``). Prints "predicted vs measured (ratio)" and
@@ -91,16 +94,22 @@ def predict(model: Path, calibration: Path, args: argparse.Namespace) -> dict:
 
 
 # ---- measurements --------------------------------------------------------------------------
-def measure(model: Path, args: argparse.Namespace, prompt: str) -> dict:
+def measure(model: Path, calibration: Path, args: argparse.Namespace, prompt: str) -> dict:
     """One run of cpu.py's and memory.py's memwall workers on ``model``."""
     speed_args = SimpleNamespace(model=str(model), threads=args.threads,
                                  decode_tokens=args.decode_tokens,
                                  prompt_tokens=args.prompt_tokens)
-    speed = cpu.run_worker("memwall", speed_args)
+    # the engines read the run's calibration, as `memwall serve` reads this machine's: their
+    # step budget is the one predicted (an engine that times its kernels at start-up picks
+    # 288-400 tokens on a shared 2-core VM, and the prompt's chunks with it), max_num_seqs 64
+    # as cpu.py's engine has it
+    sizing = {"calibration": str(calibration), "max_num_seqs": 64}
+    speed = cpu.run_worker("memwall", speed_args, extra=sizing)
     if "error" in speed:
         raise RuntimeError(f"benchmarks/cpu.py's worker failed on {model.name}: {speed['error']}")
     mem_args = SimpleNamespace(model=str(model), threads=args.threads, ctx=args.ctx,
-                               decode_tokens=args.decode_tokens, quantization="auto")
+                               decode_tokens=args.decode_tokens, quantization="auto",
+                               engine_args=sizing)
     mem = memory.run_memwall(mem_args, prompt)
     if "error" in mem:
         raise RuntimeError(f"benchmarks/memory.py's worker failed on {model.name}: {mem['error']}")
@@ -201,7 +210,7 @@ def main() -> None:
             print(f"run {run + 1}/{args.runs}: {name} ({path.name}) ...", file=sys.stderr,
                   flush=True)
             runs[name].append({"predicted": predict(path, calibration, args),
-                               "measured": measure(path, args, prompts[name])})
+                               "measured": measure(path, calibration, args, prompts[name])})
     models = {}
     for name in names:
         predicted = medians([r["predicted"] for r in runs[name]])

@@ -155,11 +155,6 @@ def _calibrate(request: PlanRequest) -> None:
     if not request.on_host:
         raise ValueError("--calibrate measures this machine: use it with --device this, not a "
                          "GPU name")
-    import importlib.util
-
-    if importlib.util.find_spec("memwall.planner.calibrate") is None:
-        raise ValueError("--calibrate is not available in this build (memwall.planner.calibrate "
-                         "is missing); plan with a GPU name, or give --calibration FILE")
     from memwall.planner import calibrate
 
     calibrate.run(Path(request.calibration or DEFAULT_CALIBRATION).expanduser())

@@ -1,4 +1,4 @@
-"""This machine measured for the planner, in about ten seconds: ``memwall plan --device this
+"""This machine measured for the planner, in about fifteen seconds: ``memwall plan --device this
 --calibrate`` calls ``run(path)``, which writes the calibration file that
 hardware.Device.from_calibration reads. The one part of memwall/planner that imports torch
 (.importlinter exempts it); the CLI imports it only for --calibrate.
@@ -46,7 +46,8 @@ from pathlib import Path
 import torch
 
 from memwall.planner.calibrate.engine import host_figures, tiny_timings
-from memwall.planner.calibrate.kernels import DECODE_ROWS, INT_PREFILL_ROWS, ROUNDS, KernelProbes
+from memwall.planner.calibrate.kernels import (DECODE_ROWS, INT_PREFILL_ROWS, QUICK_ROUNDS, ROUNDS,
+                                               KernelProbes)
 from memwall.planner.hardware import total_ram_bytes
 
 MIB = 1 << 20
@@ -75,7 +76,7 @@ def measure(quick: bool = False) -> dict:
     data = {"cpu": _cpu_name(), "isa": _isa(quant_ops), "cores": os.cpu_count(),
             "threads": threads, "memory_bytes": total_ram_bytes(), "runtime_rss_bytes": _rss()}
     probes = KernelProbes(quick, _l3_bytes())
-    for _ in range(ROUNDS):
+    for _ in range(QUICK_ROUNDS if quick else ROUNDS):
         probes.sample()
     data.update(probes.figures())
     data["host_s"] = host_figures(tiny, data)

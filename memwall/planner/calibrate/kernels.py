@@ -18,7 +18,9 @@ DECODE_ROWS = 16  # rows of the batched decode probe (memwall/worker/step_shape.
 INT_PREFILL_ROWS = 96  # a prefill chunk the integer kernels take (<= 128)
 PREFILL_TOKENS = (256, 512)  # chunk sizes above the integer kernels' 128 (quant_ops)
 PREFILL_SHAPES = {"": (2048, 2048), "_large": (4096, 4096)}  # 16 and 64 MiB float32 copies
-ROUNDS = 3
+ROUNDS = 5  # ~15 s on a 2-core EPYC; with 3 rounds, repeated calibrations' prefill rates
+           # spread 74-107 GFLOP/s on a shared VM (plan_validate-20261126-091727.json)
+QUICK_ROUNDS = 2
 MIB = 1 << 20
 
 
