@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import subprocess
@@ -34,13 +33,9 @@ LLAMA_BIN = Path(os.environ.get("LLAMA_CPP_BIN", Path.home() / ".cache/memwall-b
 
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    from memwall.planner.hardware import cpu_name
+
+    return cpu_name()
 
 
 # ---- workers (run in a subprocess) -----------------------------------------------------------

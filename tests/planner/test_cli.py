@@ -71,14 +71,7 @@ def test_plot_writes_a_png(capsys, tmp_path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_calibrate_without_its_module_is_one_line(capsys, monkeypatch) -> None:
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name.endswith(".calibrate") else real(name, *a))
-    code, _, err = run(capsys, "--device", "this", "--calibrate")
-    assert code == 1 and "--calibrate is not available" in err and err.count("\n") == 1
+def test_calibrate_a_gpu_is_one_line(capsys) -> None:
     code, _, err = run(capsys, "--gpu", "H100", "--calibrate")
     assert code == 1 and "use it with --device this" in err
 

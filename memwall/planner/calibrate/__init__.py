@@ -48,7 +48,7 @@ import torch
 from memwall.planner.calibrate.engine import host_figures, tiny_timings
 from memwall.planner.calibrate.kernels import (DECODE_ROWS, INT_PREFILL_ROWS, QUICK_ROUNDS, ROUNDS,
                                                KernelProbes)
-from memwall.planner.hardware import total_ram_bytes
+from memwall.planner.hardware import cpu_name, total_ram_bytes
 
 MIB = 1 << 20
 
@@ -73,7 +73,7 @@ def measure(quick: bool = False) -> dict:
     torch.set_num_threads(threads)
     start = time.perf_counter()
     tiny = tiny_timings(threads, quick)  # first: the resident size before large buffers
-    data = {"cpu": _cpu_name(), "isa": _isa(quant_ops), "cores": os.cpu_count(),
+    data = {"cpu": cpu_name(), "isa": _isa(quant_ops), "cores": os.cpu_count(),
             "threads": threads, "memory_bytes": total_ram_bytes(), "runtime_rss_bytes": _rss()}
     probes = KernelProbes(quick, _l3_bytes())
     for _ in range(QUICK_ROUNDS if quick else ROUNDS):
@@ -117,18 +117,6 @@ def _huge_page_bytes() -> int:
     except OSError:
         return 0
     return 2 * MIB if "[never]" not in mode else 0
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown"
 
 
 def _isa(quant_ops) -> str:
