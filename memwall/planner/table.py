@@ -59,6 +59,11 @@ def _ridge(p: Plan) -> str:
     return f"{p.ridge_batch:,.0f}"
 
 
+def _ridge_intensity(p: Plan) -> float:
+    """The device's FLOP/s over its bandwidth: a step above this intensity is compute-bound."""
+    return p.decode_model.flops / p.decode_model.bandwidth
+
+
 ROWS: list[tuple[str, Callable[[Plan], str]]] = [
     ("weights (all ranks)", lambda p: _gb(p.weights.total_bytes)),
     ("weights / rank", lambda p: _gb(p.memory.busiest.weights_bytes)),
@@ -76,6 +81,8 @@ ROWS: list[tuple[str, Callable[[Plan], str]]] = [
     ("decode tok/s", _speed(lambda p: _rate(p.decode.tokens_per_s))),
     ("tok/s per sequence", _speed(lambda p: _rate(p.decode.tokens_per_s_per_sequence))),
     ("tok/s per sequence, B=1", _speed(lambda p: _rate(p.decode_one.tokens_per_s_per_sequence))),
+    ("arithmetic intensity", _speed(lambda p: f"{p.decode.arithmetic_intensity:,.1f} FLOP/B "
+                                              f"(ridge {_ridge_intensity(p):,.0f})")),
     ("ridge batch", _speed(_ridge)),
     ("ridge batch, weights only", _speed(lambda p: "none" if p.ridge_batch_weights_only is None
                                          else f"{p.ridge_batch_weights_only:,.0f}")),

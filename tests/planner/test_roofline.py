@@ -82,3 +82,18 @@ def test_readme_tp_pp_example_from_the_cli(capsys) -> None:
     assert tp4pp2["step_s"] == pytest.approx(t, rel=1e-12)
     assert tp4pp2["tokens_per_s"] == pytest.approx(32 / t, rel=1e-12)
     assert tp4pp2["tokens_per_s_per_sequence"] == pytest.approx(1 / (2 * t), rel=1e-12)
+
+
+def test_the_table_shows_the_step_intensity_and_the_ridge(capsys) -> None:
+    """Arithmetic intensity = the step's FLOPs / the bytes it reads; the ridge = usable FLOP/s /
+    usable bandwidth (H100: 989.4 TFLOP/s x 0.7 over 3.35 TB/s x 0.8 = 258 FLOP/B)."""
+    argv = [a for a in EXAMPLE if a != "--json"]
+    assert main(argv) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("arithmetic intensity"))
+    w_r = 70_553_706_496 * 2 / 8
+    flops = 64 * 2 * (w_r / 2)  # 64 sequences x 2 FLOPs a bf16 weight (attention adds a little)
+    intensity = flops / (w_r + 64 * 2048 * 40960)
+    shown = float(row.split()[2])
+    assert shown == pytest.approx(intensity, rel=0.03)
+    assert "(ridge 258)" in row
