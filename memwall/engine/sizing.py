@@ -74,6 +74,12 @@ def step_sizes(args: EngineArgs, model: "ModelInfo", kv: "KVCachePlan", max_mode
     from memwall.planner.request import PlanRequest
     from memwall.planner.serving import serve_sizes
 
+    mismatch = _mismatch(path, args.threads)
+    if mismatch:
+        logger.warning("calibration %s not used: %s; timing the kernels at start-up instead "
+                       "(rerun memwall plan --device this --calibrate)", path, mismatch)
+        return None
+
     request = PlanRequest(model=args.model, dtype=args.dtype, quantization=args.quantization,
                           kv_cache_dtype=args.kv_cache_dtype, max_model_len=max_model_len,
                           tensor_parallel_size=args.tensor_parallel_size,
@@ -90,6 +96,21 @@ def step_sizes(args: EngineArgs, model: "ModelInfo", kv: "KVCachePlan", max_mode
                                             else sched.max_num_batched_tokens)
     return serve_sizes(plan.decode_model, plan.prefill_model, kv.max_tokens, max_model_len,
                        kv.block_size, str(path), args.max_num_seqs, given)
+
+
+def _mismatch(path: Path, threads: int | None) -> str | None:
+    """Why the file's figures are not this engine's (planner/hardware.py), or None."""
+    import json
+
+    from memwall.planner.hardware import calibration_mismatch
+    from memwall.worker.worker import default_threads
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        return f"it cannot be read ({e})"
+    return calibration_mismatch(data if isinstance(data, dict) else {},
+                                threads or default_threads())
 
 
 def choose(args: EngineArgs, model: "ModelInfo", kv: "KVCachePlan", max_model_len: int,

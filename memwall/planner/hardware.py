@@ -128,6 +128,8 @@ class Device:
     host: HostRates | None = None
     """A calibrated CPU's measurements of memwall's own kernels and engine (None: a GPU, or a
     calibration file without them)."""
+    elsewhere: str | None = None
+    """Where a calibration file was measured on another CPU than this one: what it names."""
 
     @property
     def achievable_bandwidth(self) -> float | None:
@@ -184,7 +186,7 @@ class Device:
         return cls(f"this machine ({cpu}{cores})", memory, bandwidth,
                    {str(k): float(v) for k, v in flops.items()}, 1.0, 1.0, False,
                    f"calibration {path} ({data.get('measured_at', 'date unknown')})",
-                   _host_rates(data, path))
+                   _host_rates(data, path), calibration_mismatch(data))
 
     @classmethod
     def this_machine(cls, calibration: str | os.PathLike | None = None) -> "Device":
@@ -224,6 +226,40 @@ def _host_rates(data: dict, path: Path) -> HostRates | None:
 
 def _positive(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+# The /proc/cpuinfo flags that pick memwall's CPU kernels (kernels/cpu/build.py's builds, AMX)
+KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_features() -> list[str]:
+    """Which of KERNEL_FLAGS this CPU lists (two VMs both called "AMD EPYC" may differ here)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    listed = set(line.split(":", 1)[1].split())
+                    return [flag for flag in KERNEL_FLAGS if flag in listed]
+    except OSError:
+        pass
+    return []
+
+
+def calibration_mismatch(data: dict, threads: int | None = None) -> str | None:
+    """Why a calibration file's figures are not this machine's (another CPU model or kernel
+    instruction sets, or another thread count than ``threads``), or None. A VM moved to
+    another host keeps its files."""
+    measured_on, here = data.get("cpu"), cpu_name()
+    if measured_on and measured_on != here:
+        return f"it was measured on {measured_on!r}, this machine is {here!r}"
+    flags, ours = data.get("cpu_flags"), cpu_features()
+    if isinstance(flags, list) and flags != ours:
+        return (f"it was measured on a CPU with {' '.join(flags) or 'none'} of the kernels' "
+                f"instruction sets, this one has {' '.join(ours) or 'none'}")
+    if threads is not None and data.get("threads") not in (None, threads):
+        return f"it was measured with {data['threads']} threads, the engine runs {threads}"
+    return None
 
 
 def cpu_name() -> str:

@@ -127,6 +127,9 @@ def _step_models(request: PlanRequest, model: ModelSource, weights: Weights, dev
     decode_kinds, prefill_kinds = _flops_kinds(device, compute, quant, quantized)
     decode_flops = device.achievable_flops(decode_kinds)
     prefill_flops = device.achievable_flops(prefill_kinds)
+    if device.elsewhere:
+        notes.append(f"this machine's calibration may not fit: {device.elsewhere}; rerun memwall "
+                     "plan --device this --calibrate")
     if bandwidth is None or decode_flops is None:
         notes.append("no calibration for this machine: memory only; run memwall plan --device "
                      "this --calibrate for speeds")

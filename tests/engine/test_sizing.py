@@ -17,11 +17,19 @@ from memwall.planner.serving import serve_sizes
 from tests.planner.test_calibrate import CALIBRATION
 
 
+def write_calibration(path, **changes):
+    """CALIBRATION as if measured here (this CPU, the engine's thread count), with changes."""
+    from memwall.planner.hardware import cpu_features, cpu_name
+    from memwall.worker.worker import default_threads
+
+    path.write_text(json.dumps({**CALIBRATION, "cpu": cpu_name(), "cpu_flags": cpu_features(),
+                                "threads": default_threads(), **changes}))
+    return path
+
+
 @pytest.fixture
 def calibration(tmp_path):
-    path = tmp_path / "calibration.json"
-    path.write_text(json.dumps(CALIBRATION))
-    return path
+    return write_calibration(tmp_path / "calibration.json")
 
 
 @pytest.fixture
@@ -79,3 +87,31 @@ def test_the_command_line_looks_for_the_default_calibration():
     add_engine_flags(parser)
     assert engine_args_from(parser.parse_args([])).calibration == "auto"
     assert engine_args_from(parser.parse_args(["--calibration", "none"])).calibration == "none"
+
+
+@pytest.mark.parametrize("changes", [{"cpu": "Another CPU 9000"}, {"threads": 64},
+                                     {"cpu_flags": ["avx512f", "amx_tile"]}])
+def test_a_calibration_from_another_machine_is_not_used(tiny_model_dir, tmp_path, caplog,
+                                                        monkeypatch, changes):
+    """A VM moved to another host (or an engine on other cores) keeps the file: its figures
+    would size the steps wrongly, so the engine times its kernels as without one."""
+    from memwall.worker.step_shape import StepShape
+
+    path = write_calibration(tmp_path / "calibration.json", **changes)
+    measured = StepShape(80, 16, 0.01, 500.0)
+    monkeypatch.setattr("memwall.worker.worker.measure_step_shape", lambda *a: measured)
+    with caplog.at_level("WARNING", logger="memwall"):
+        llm = LLM(str(tiny_model_dir("llama")), calibration=str(path), num_kv_blocks=40,
+                  max_model_len=128)
+    assert "not used" in caplog.text and "rerun memwall plan --device this --calibrate" in caplog.text
+    assert llm.engine.core.scheduler.config.max_num_batched_tokens == 80
+    assert "from the calibration" not in llm.engine.describe()
+
+
+def test_the_plan_notes_a_calibration_from_another_cpu(tmp_path, gguf_path) -> None:
+    path = write_calibration(tmp_path / "calibration.json", cpu="Another CPU 9000")
+    plan = make_plan(PlanRequest(model=str(gguf_path), device="this", calibration=str(path)))
+    assert any("'Another CPU 9000'" in note and "--calibrate" in note for note in plan.notes)
+    here = make_plan(PlanRequest(model=str(gguf_path), device="this",
+                                 calibration=str(write_calibration(tmp_path / "here.json"))))
+    assert not any("may not fit" in note for note in here.notes)

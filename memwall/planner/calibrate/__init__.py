@@ -27,6 +27,9 @@ it: memwall/planner/host.py.
                             (layer.py)
     host_s                  the engine's own time per step and per layer, from tiny models
                             served by it (engine.py); prefill_value_layer is layer_value_s
+    cpu, cpu_flags, threads the CPU's model name, which of the kernels' instruction sets it
+                            lists, the thread count: a file measured elsewhere is not used to
+                            size an engine (hardware.calibration_mismatch)
     runtime_rss_bytes       this process's resident size after serving the tiny models, before
                             any large buffer: Python, torch and memwall without weights
     prefill_copy_bytes      bytes per weight of the copy a prefill matmul makes of its weight: 4
@@ -48,7 +51,7 @@ import torch
 from memwall.planner.calibrate.engine import host_figures, tiny_timings
 from memwall.planner.calibrate.kernels import (DECODE_ROWS, INT_PREFILL_ROWS, QUICK_ROUNDS, ROUNDS,
                                                KernelProbes)
-from memwall.planner.hardware import cpu_name, total_ram_bytes
+from memwall.planner.hardware import cpu_features, cpu_name, total_ram_bytes
 
 MIB = 1 << 20
 
@@ -73,7 +76,8 @@ def measure(quick: bool = False) -> dict:
     torch.set_num_threads(threads)
     start = time.perf_counter()
     tiny = tiny_timings(threads, quick)  # first: the resident size before large buffers
-    data = {"cpu": cpu_name(), "isa": _isa(quant_ops), "cores": os.cpu_count(),
+    data = {"cpu": cpu_name(), "cpu_flags": cpu_features(), "isa": _isa(quant_ops),
+            "cores": os.cpu_count(),
             "threads": threads, "memory_bytes": total_ram_bytes(), "runtime_rss_bytes": _rss()}
     probes = KernelProbes(quick, _l3_bytes())
     for _ in range(QUICK_ROUNDS if quick else ROUNDS):
@@ -121,10 +125,7 @@ def _huge_page_bytes() -> int:
 
 def _isa(quant_ops) -> str:
     """The integer kernels' code path (vnni, avx2 or c), and AVX-512 and AMX where listed."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        flags = ""
+    flags = cpu_features()
     isa = quant_ops.int_gemm_isa() if quant_ops.available() else "torch"
     return isa + (", avx512" if "avx512f" in flags else "") + (", amx" if "amx_bf16" in flags
                                                               else "")
