@@ -133,6 +133,17 @@ def gguf_path() -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def hf_gguf_model(gguf_path):
+    """The embedded GGUF as transformers loads it (float32, eval mode): dequantizing it takes
+    ~30 s on a 2-core machine, so the suite loads it once. Do not change it: a test that wraps
+    or edits the model (PEFT) takes ``copy.deepcopy`` of it."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32).eval()
+
+
 @pytest.fixture
 def exact_kernels():
     """The exact fp32 kernels for the test's quantized matmuls (parity tests against a torch

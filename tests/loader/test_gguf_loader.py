@@ -314,14 +314,10 @@ def test_embedded_config(smollm_reader):
     assert config["rope_scaling"] is None and config["intermediate_size"] == 1536
 
 
-@pytest.mark.slow  # 14-21 s, nearly all of it transformers parsing the file
-def test_embedded_weights_match_transformers(gguf_path, smollm_reader):
+@pytest.mark.slow  # transformers parsing the file: ~30 s, once a session (conftest.hf_gguf_model)
+def test_embedded_weights_match_transformers(hf_gguf_model, smollm_reader):
     """transformers dequantizes with gguf's numpy reference and un-permutes q/k its own way."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    reference = model.state_dict()
+    reference = hf_gguf_model.state_dict()
     ours = dict(iter_gguf_tensors(smollm_reader, gguf_hf_config(smollm_reader)))
     assert set(reference) - set(ours) == {"lm_head.weight"}  # tied to embed_tokens by HF
     assert set(ours) <= set(reference)

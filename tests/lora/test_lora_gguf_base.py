@@ -19,13 +19,13 @@ TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def peft_on_gguf(gguf_path, tmp_path_factory):
+def peft_on_gguf(hf_gguf_model, tmp_path_factory):
     """(HF + PEFT model over the GGUF, the saved PEFT directory)."""
-    import peft
-    import transformers
+    import copy
 
-    base = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, torch_dtype=torch.float32).eval()
+    import peft
+
+    base = copy.deepcopy(hf_gguf_model)  # PEFT wraps its layers in place
     config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0,
                              init_lora_weights=False)
     model = peft.get_peft_model(base, config)

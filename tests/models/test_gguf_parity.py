@@ -20,14 +20,6 @@ pytestmark = pytest.mark.usefixtures("exact_kernels")  # parity with transformer
 
 
 @pytest.fixture(scope="module")
-def hf_gguf_model(gguf_path):
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, torch_dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def ours(gguf_path):
     return load_model(str(gguf_path))
 
