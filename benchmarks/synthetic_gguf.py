@@ -19,7 +19,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from memwall.loader.synthetic import copy_tokenizer, q4_1_rows, q8_0_rows, write  # noqa: E402,F401
+from memwall.loader.synthetic import write  # noqa: E402
 
 # name -> (hidden, layers, heads, kv_heads, ffn, vocab)
 PRESETS = {

@@ -5,7 +5,8 @@ its sizes and speeds are those of a real model of that shape.
     write(out, hidden, layers, heads, kv_heads, ffn, vocab=None)
 
 Users: benchmarks/synthetic_gguf.py (presets such as Llama-3.2-1B's shape, for memory and speed
-measurements) and memwall/planner/calibrate.py (tiny models whose steps are all overhead).
+measurements) and memwall/planner/calibrate/engine.py (tiny models whose steps are all
+overhead).
 
 The weights are random but well-formed (finite fp16 scales, weights within +-0.15), laid out
 as the embedded SmolLM2 Q4_1 file is: Q4_1 matrices, a Q8_0 token embedding tied to the
@@ -102,11 +103,6 @@ def add_tokenizer(writer, fields: TokenizerFields) -> int:
         else:
             writer.add_key_value(key, value, vtype, sub_type=sub)
     return vocab_size(fields)
-
-
-def copy_tokenizer(writer, source: Path, vocab: int | None = None) -> int:
-    """``source``'s tokenizer (padded to ``vocab``) into ``writer``; returns the vocabulary size."""
-    return add_tokenizer(writer, tokenizer_fields(source, vocab))
 
 
 def write(out: Path, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int,
