@@ -140,8 +140,11 @@ def hf_gguf_model(gguf_path):
     or edits the model (PEFT) takes ``copy.deepcopy`` of it."""
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32).eval()
+    from tests.gguf_oracle import remembered_gguf_parsing
+
+    with remembered_gguf_parsing():
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32).eval()
 
 
 @pytest.fixture

@@ -77,9 +77,11 @@ def test_request_options_hold_with_speculation(tiny_llama):
                        frequency_penalty=0.5, presence_penalty=0.2, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=25, min_tokens=10),
     ]
+    # one engine of each kind for every case (later cases meet earlier ones' cached prefixes)
+    plain_llm = LLM(str(tiny_llama), num_kv_blocks=256, block_size=4)
+    llm = LLM(str(tiny_llama), speculative_config=NGRAM, num_kv_blocks=256, block_size=4)
     for params in cases:
-        _, plain = run(tiny_llama, prompts, params)
-        llm, spec = run(tiny_llama, prompts, params, NGRAM)
+        plain, spec = plain_llm.generate(prompts, params), llm.generate(prompts, params)
         for a, b in zip(plain, spec):
             assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs], params
             assert [c.finish_reason for c in a.outputs] == [c.finish_reason for c in b.outputs]
@@ -93,14 +95,13 @@ def test_request_options_hold_with_speculation(tiny_llama):
         assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
     # stop tokens and stop strings: taken from the plain output, so they really occur
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    _, plain = run(tiny_llama, prompts, params)
+    plain = plain_llm.generate(prompts, params)
     stop_token = plain[0].outputs[0].token_ids[12]
     text = plain[1].outputs[0].text
     stop_text = text[len(text) // 2:len(text) // 2 + 3]
     for params in (SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_token]),
                    SamplingParams(temperature=0, max_tokens=40, stop=[stop_text])):
-        _, plain = run(tiny_llama, prompts, params)
-        _, spec = run(tiny_llama, prompts, params, NGRAM)
+        plain, spec = plain_llm.generate(prompts, params), llm.generate(prompts, params)
         assert [(o.outputs[0].text, o.outputs[0].finish_reason) for o in spec] == \
             [(o.outputs[0].text, o.outputs[0].finish_reason) for o in plain]
 

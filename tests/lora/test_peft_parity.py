@@ -46,8 +46,9 @@ def test_mixed_batch_equals_each_alone(tiny_model_dir, peft_adapters):
     per_prompt = batch_loras * len(PROMPTS)
     llm = _llm(base)
     together = llm.generate(prompts, greedy, lora_request=per_prompt)
+    single = _llm(base, prefix_caching=False)  # one request at a time, nothing cached
     for prompt, lora, out in zip(prompts, per_prompt, together):
-        alone = _llm(base).generate([prompt], greedy, lora_request=lora)[0]
+        alone = single.generate([prompt], greedy, lora_request=lora)[0]
         assert out.outputs[0].token_ids == alone.outputs[0].token_ids, (prompt, lora)
 
 

@@ -148,7 +148,9 @@ def test_greedy_equals_plain_with_an_eagle_head(tiny_target, tiny_head):
         assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
 
 
-def _proposer(tiny_target, tiny_head, num_blocks=256):
+def _proposers(tiny_target, tiny_head, num_blocks=256):
+    """A function making proposers with caches of their own over one loaded target and head
+    (weights only: a proposer's state is its cache and bookkeeping)."""
     from memwall.attention.backend import choose as choose_backend
     from memwall.loader.model_loader import load_model
     from memwall.spec_decode.eagle import EagleProposer
@@ -156,8 +158,12 @@ def _proposer(tiny_target, tiny_head, num_blocks=256):
 
     target = load_model(str(tiny_target))
     head = load_eagle_head(tiny_head, target.arch)
-    caches = allocate_kv_cache(head.config, KVCachePlan(num_blocks, 4, 0), torch.float32)
-    return EagleProposer(head, target.model, caches, 4, get_backend(choose_backend("cpu")))
+
+    def make():
+        caches = allocate_kv_cache(head.config, KVCachePlan(num_blocks, 4, 0), torch.float32)
+        return EagleProposer(head, target.model, caches, 4, get_backend(choose_backend("cpu")))
+
+    return make
 
 
 def _real_keys(proposer) -> torch.Tensor:
@@ -174,7 +180,8 @@ def test_the_heads_cache_follows_accepts_rejects_and_rewinds(tiny_target, tiny_h
 
     from memwall.spec_decode.proposer import DraftRequest
 
-    lived = _proposer(tiny_target, tiny_head)
+    proposer = _proposers(tiny_target, tiny_head)
+    lived = proposer()
     rng = __import__("random").Random(9)
     g = torch.Generator().manual_seed(9)
     tokens = [rng.randrange(4, 380) for _ in range(9)]
@@ -184,7 +191,7 @@ def test_the_heads_cache_follows_accepts_rejects_and_rewinds(tiny_target, tiny_h
         k = rng.randrange(1, 5)
         req = DraftRequest("s", np.array(tokens), k)
         drafts = lived.propose([req])["s"]
-        fresh = _proposer(tiny_target, tiny_head)
+        fresh = proposer()
         fresh.record("s", 0, feats)
         assert drafts == fresh.propose([req])["s"] and len(drafts) == k
         # every entry the target's features made is what a fresh head computes for them

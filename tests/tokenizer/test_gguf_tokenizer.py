@@ -52,13 +52,18 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def ours(gguf_path: Path) -> Tokenizer:
-    return Tokenizer.from_gguf(gguf.GGUFReader(gguf_path))
+    from memwall.loader.gguf_file import GGUFFile  # the reader memwall loads models with
+
+    return Tokenizer.from_gguf(GGUFFile(gguf_path))
 
 
 @pytest.fixture(scope="module")
 def theirs(gguf_path: Path):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    from tests.gguf_oracle import remembered_gguf_parsing
+
+    with remembered_gguf_parsing():
+        return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
 
 # -- SmolLM2, against transformers ---------------------------------------------------------------
