@@ -5,6 +5,7 @@ without a file it measures as before."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -100,6 +101,10 @@ def test_a_calibration_from_another_machine_is_not_used(tiny_model_dir, tmp_path
     path = write_calibration(tmp_path / "calibration.json", **changes)
     measured = StepShape(80, 16, 0.01, 500.0)
     monkeypatch.setattr("memwall.worker.worker.measure_step_shape", lambda *a: measured)
+    # memwall's logger writes to stderr and does not propagate (memwall/__init__.py): let it
+    # reach caplog's root handler whatever ran before (under pytest-xdist's order it did not)
+    monkeypatch.setattr(logging.getLogger("memwall"), "propagate", True)
+    monkeypatch.setattr(logging.getLogger("memwall"), "disabled", False)
     with caplog.at_level("WARNING", logger="memwall"):
         llm = LLM(str(tiny_model_dir("llama")), calibration=str(path), num_kv_blocks=40,
                   max_model_len=128)
