@@ -272,11 +272,16 @@ static inline __attribute__((always_inline)) void rows_tile_q4(
     store_sums(R, TM, acc, cr, xsum_t, xsum_m, ng, y, N);
 }
 
+/* rows a row kernel takes at once against TM tokens: 4 for one or two tokens (8 rows for one
+ * token measured no faster), 2 for three or four, else 1 (R * TM <= 8 accumulators) */
+static inline __attribute__((always_inline)) int row_group(const int TM) { return TM <= 2 ? 4 : TM <= 4 ? 2 : 1; }
+
+/* rows_for_tile for the pair layout */
 static inline __attribute__((always_inline)) void rows_for_tile_q4(
         const int TM, const uint8_t* codes, int64_t row_bytes, const float* s, const float* c,
         const int16_t* tile, const float* upair, const float* xsum_t, const float* xsum_m,
         int64_t nb, int64_t ng, float* y, int64_t N, int64_t n0, int64_t n1) {
-    const int R = TM == 1 ? 4 : TM == 2 ? 4 : TM <= 4 ? 2 : 1;
+    const int R = row_group(TM);
     int64_t n = n0;
     for (; n + R <= n1; n += R)
         rows_tile_q4(R, TM, codes + n * row_bytes, row_bytes, s + n * ng, c + n * ng, tile, upair,
@@ -286,14 +291,13 @@ static inline __attribute__((always_inline)) void rows_for_tile_q4(
                      xsum_t, xsum_m, nb, ng, y + n, N);
 }
 
-/* rows [n0, n1) against the TM tokens of a tile: groups of R rows (4 for one or two tokens: 8
- * rows for one token measured no faster; 2 for three or four; else 1),
- * then the remaining rows one at a time */
+/* rows [n0, n1) against the TM tokens of a tile: groups of row_group(TM) rows, then the
+ * remaining rows one at a time */
 static inline __attribute__((always_inline)) void rows_for_tile(
         const int TM, const int is_q4, const uint8_t* codes, int64_t row_bytes, const float* s,
         const float* c, int64_t G, const int16_t* tile, const float* u, const float* xsum_t,
         const float* xsum_m, int64_t nb, int64_t ng, float* y, int64_t N, int64_t n0, int64_t n1) {
-    const int R = TM == 1 ? 4 : TM == 2 ? 4 : TM <= 4 ? 2 : 1;
+    const int R = row_group(TM);
     int64_t n = n0;
     for (; n + R <= n1; n += R)
         rows_tile(R, TM, is_q4, codes + n * row_bytes, row_bytes, s + n * ng, c + n * ng, G, tile,
