@@ -115,7 +115,7 @@ def test_auto_and_cuda_resolution():
 
 
 def _greedy(path, prompts, **kwargs) -> tuple[list[list[int]], LLM]:
-    llm = LLM(str(path), num_kv_blocks=64, block_size=4, max_num_batched_tokens=16, **kwargs)
+    llm = LLM(str(path), device="cpu", num_kv_blocks=64, block_size=4, max_num_batched_tokens=16, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)], llm
 

@@ -95,7 +95,8 @@ def test_cpu_only_quantized_weights_are_refused_on_cuda():
 def prompt_logprobs(model_dir, **kwargs) -> torch.Tensor:
     rng = random.Random(0)
     prompt = [rng.randrange(4, 380) for _ in range(60)]
-    llm = LLM(str(model_dir), num_kv_blocks=64, block_size=4, max_num_batched_tokens=16, **kwargs)
+    llm = LLM(str(model_dir), num_kv_blocks=64, block_size=4, max_num_batched_tokens=16,
+              **{"device": "cpu", **kwargs})  # the CPU unless the caller names a device
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
     return torch.tensor([next(iter(e.values())).logprob for e in out.prompt_logprobs[1:]])
 
@@ -110,7 +111,7 @@ def test_fp8_engine_is_close_to_float32(tiny_model_dir, setting):
 
 
 def test_fp8_kv_cache_is_allocated_in_fp8(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=16, block_size=4, kv_cache_dtype="fp8")
+    llm = LLM(str(tiny_model_dir("llama")), device="cpu", num_kv_blocks=16, block_size=4, kv_cache_dtype="fp8")
     k_cache = llm.engine.core.executor.worker.runner.kv_caches[0][0]
     assert k_cache.dtype == torch.float8_e4m3fn and k_cache.element_size() == 1
     assert "KV cache fp8" in llm.engine.describe()
@@ -139,10 +140,11 @@ def test_cuda_float32_matches_cpu_greedy(tiny_model_dir):
 def test_cuda_defaults_bf16_triton_and_a_profiled_budget(tiny_model_dir):
     llm = LLM(str(tiny_model_dir("llama")), device="auto")
     engine = llm.engine
-    assert engine.device_config.dtype == "bfloat16" and engine.core.executor.worker.runner.backend == "triton"
-    assert next(engine.core.executor.worker.runner.model.parameters()).device.type == "cuda"
-    assert engine.gpu_memory is not None and engine.gpu_memory.kv_budget > 0
-    assert "GPU memory" in engine.describe() and engine.graph_buckets
+    worker = engine.core.executor.worker
+    assert worker.device_config.dtype == "bfloat16" and worker.runner.backend == "triton"
+    assert next(worker.runner.model.parameters()).device.type == "cuda"
+    assert worker.gpu_memory is not None and worker.gpu_memory.kv_budget > 0
+    assert "GPU memory" in engine.describe() and worker.runner.graphs is not None
     out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8))[0]
     assert len(out.outputs[0].token_ids) > 0
 

@@ -7,7 +7,6 @@ Every scenario draws fresh random data, fills the unused cache blocks with rando
 (so a wrong block lookup reads garbage rather than zeros) and uses scattered block tables.
 """
 
-import dataclasses
 
 import pytest
 import torch
@@ -50,8 +49,12 @@ def make_step(q_lens, seq_lens, block_size, heads, kv_heads, head_dim, dtype=tor
 
 def reference(q, k, v, k_cache, v_cache, meta, scale, dtype=torch.float64):
     """paged_torch on upcast CPU copies: (out, k_cache, v_cache) after the step, on q's device."""
-    cpu = dataclasses.replace(meta, slot_mapping=meta.slot_mapping.cpu(),
-                              block_tables=meta.block_tables.cpu())
+    # Rebuilt on the CPU, not copied: the metadata also holds device tensors of its own (the
+    # decode batch's tables), which a cuda step's copy would keep on cuda.
+    query_lens = [b - a for a, b in zip(meta.query_start, meta.query_start[1:])]
+    cpu = AttentionMetadata.build(query_lens, meta.seq_lens, meta.block_tables.cpu().tolist(),
+                                  meta.block_size)
+    assert torch.equal(cpu.slot_mapping, meta.slot_mapping.cpu())
     kc, vc = k_cache.cpu().to(dtype), v_cache.cpu().to(dtype)
     paged_torch.write_kv(kc, vc, k.cpu().to(dtype), v.cpu().to(dtype), cpu.slot_mapping)
     out = paged_torch.paged_attention(q.cpu().to(dtype), kc, vc, cpu, scale)

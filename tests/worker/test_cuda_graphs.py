@@ -182,6 +182,7 @@ def test_engine_tokens_same_with_and_without_graphs(tiny_model_dir):
     for eager in (False, True):
         llm = LLM(str(tiny_model_dir("llama")), device="cuda", dtype="float32", num_kv_blocks=128,
                   block_size=4, max_num_seqs=4, enforce_eager=eager)
-        assert bool(llm.engine.graph_buckets) != eager
+        graphs = llm.engine.core.executor.worker.runner.graphs
+        assert (graphs is not None and graphs.buckets == [1, 2, 4]) != eager
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert runs[0] == runs[1]

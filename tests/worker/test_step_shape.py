@@ -41,7 +41,7 @@ def test_engine_measures_and_reports_its_budget(tiny_model_dir, monkeypatch):
         return step_shape.StepShape(192, 8, 0.02, 1234.0)
 
     monkeypatch.setattr("memwall.worker.worker.measure_step_shape", fake_measure)
-    llm = LLM(str(tiny_model_dir("llama")), max_num_seqs=8, num_kv_blocks=64)
+    llm = LLM(str(tiny_model_dir("llama")), device="cpu", max_num_seqs=8, num_kv_blocks=64)
     assert seen["args"] == (8, 16)
     assert llm.engine.core.scheduler.config.max_num_batched_tokens == 192
     assert "step budget 192 tokens" in llm.engine.describe()
@@ -53,7 +53,7 @@ def test_a_budget_the_user_sets_is_not_measured(tiny_model_dir, monkeypatch):
         raise AssertionError("measured although the user set the budget")
 
     monkeypatch.setattr("memwall.worker.worker.measure_step_shape", fail)
-    llm = LLM(str(tiny_model_dir("llama")), max_num_batched_tokens=96, num_kv_blocks=64)
+    llm = LLM(str(tiny_model_dir("llama")), device="cpu", max_num_batched_tokens=96, num_kv_blocks=64)
     assert llm.engine.core.scheduler.config.max_num_batched_tokens == 96
     assert "step budget 96 tokens" in llm.engine.describe()
 
@@ -61,7 +61,7 @@ def test_a_budget_the_user_sets_is_not_measured(tiny_model_dir, monkeypatch):
 def test_without_chunked_prefill_the_default_budget_stays(tiny_model_dir, monkeypatch):
     monkeypatch.setattr("memwall.worker.worker.measure_step_shape",
                         lambda *_: pytest.fail("a prompt must fit one step without chunking"))
-    llm = LLM(str(tiny_model_dir("llama")), enable_chunked_prefill=False, num_kv_blocks=64)
+    llm = LLM(str(tiny_model_dir("llama")), device="cpu", enable_chunked_prefill=False, num_kv_blocks=64)
     assert llm.engine.core.scheduler.config.max_num_batched_tokens == DEFAULT_STEP_BUDGET
 
 
@@ -70,7 +70,7 @@ def test_real_measurement_on_a_tiny_model(tiny_model_dir):
     reported at start-up, and generation works under it."""
     from memwall.sampling_params import SamplingParams
 
-    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, max_num_seqs=4)
+    llm = LLM(str(tiny_model_dir("llama")), device="cpu", num_kv_blocks=64, max_num_seqs=4)
     budget = llm.engine.core.scheduler.config.max_num_batched_tokens
     assert MIN_BUDGET <= budget <= MAX_BUDGET
     assert f"step budget {budget} tokens (measured here: a 4-sequence decode step" in llm.engine.describe()
