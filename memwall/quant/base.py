@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from memwall.kernels.cpu.layout import float_table
+
 if TYPE_CHECKING:
     from memwall.kernels.cpu.layout import PackedWeight
 
@@ -94,7 +96,10 @@ def scale_tables(s: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.
     """A native q4/q8 layout's scales and offsets: float16 when that holds every value exactly
     (GGUF's Q4_0, Q4_1 and Q8_0 store fp16 scales: their weights then cost 0.625 and 1.0625
     bytes a value instead of 0.75 and 1.25, and not one weight changes), else float32 (K-quants'
-    products of two scales, our own quantizers' scales)."""
+    products of two scales, our own quantizers' scales). Two-level tables (``s.dim() == 3``,
+    memwall/kernels/cpu/layout.py ``two_level_table``: GGUF's K-quants) are kept as built."""
+    if s.dim() == 3:
+        return s.contiguous(), c.contiguous()
     s, c = s.float().contiguous(), c.float().contiguous()
     s16, c16 = s.half(), c.half()
     if torch.equal(s16.float(), s) and torch.equal(c16.float(), c):
@@ -138,6 +143,8 @@ def columns_of(layer: "QuantLinear", start: int, stop: int, inputs_per_column: d
         if per == 0 or t.dim() == 1:
             tensors[name] = t  # a scale per output row: every input slice shares it
             continue
+        if t.dim() == 3:  # a two-level table: a cut may split its superblocks, so cut floats
+            t = float_table(t)
         tensors[name] = t[:, start // per: stop // per].contiguous()
     return QuantWeights(layer.method, tensors, layer.out_features, stop - start, layer.source,
                         dict(layer.extra))

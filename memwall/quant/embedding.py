@@ -9,7 +9,8 @@ in the layout of the native kernels (memwall/quant/int4_cpu.py ``NativeQ4``, int
 
     NativeQ4  codes uint8 [V, H/2]: per 32-value block, byte j = q[j] | q[j+16] << 4
     NativeQ8  codes int8  [V, H]
-    both      s, c float32 [V, H/G]:  row value = s * q + c  (G = 32, or 16 for Q6_K)
+    both      s, c [V, H/G] tables:   row value = s * q + c  (G = 32, or 16 for Q6_K); float32,
+              float16, or two-level for K-quants (memwall/kernels/cpu/layout.py)
 
 Rows are rebuilt with the arithmetic of the GGUF reference dequantizer (one fp32 multiply and
 one add; for GGUF types the product is exact), so a lookup equals the float table's rows bit for
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from memwall.kernels.cpu.layout import float_table
 from memwall.quant.base import QuantWeights
 from memwall.quant.int4_cpu import NativeQ4
 from memwall.quant.int8_cpu import NativeQ8
@@ -52,8 +54,8 @@ class QuantEmbedding(nn.Module):
             q = torch.cat([b & 0x0F, b >> 4], dim=2).view(len(flat), -1)  # [T, H]
         else:
             q = rows
-        s = self.s.index_select(0, flat).float()  # [T, H/G] (fp16 tables widen exactly)
-        c = self.c.index_select(0, flat).float()
+        s = float_table(self.s.index_select(0, flat))  # [T, H/G] (every format widens exactly)
+        c = float_table(self.c.index_select(0, flat))
         groups = s.shape[1]
         w = q.float().view(len(flat), groups, -1) * s[..., None] + c[..., None]  # [T, H/G, G]
         return w.view(*ids.shape, self.embedding_dim)

@@ -4,17 +4,22 @@ Two backends (``backend=`` "auto" picks native when memwall/kernels/cpu could be
 
 native (fp32, exact): every weight is rebuilt as s * q + c with ggml's own fp32 arithmetic
     Q4_0 / Q4_1 / Q4_K  -> NativeQ4: 4-bit codes, s and c per 32 values      0.75 B/weight
+                           (Q4_0/Q4_1 with fp16 tables 0.625, Q4_K two-level 0.59)
     Q5_0 / Q5_1 / Q5_K  -> NativeQ8: int8 codes, s and c per 32 values       1.25 B/weight
+                           (Q5_0/Q5_1 fp16 1.125, Q5_K two-level 1.09)
     Q8_0                -> NativeQ8 (as above)
-    Q6_K                -> NativeQ8: int8 codes (q - 32), s per 16 values    1.5  B/weight
-    Q2_K                -> NativeQ8: codes 0..3, s = d*sc, c = -dmin*mn      1.5  B/weight
+    Q6_K                -> NativeQ8: int8 codes (q - 32), s per 16 values    1.16 B/weight
+    Q2_K                -> NativeQ8: codes 0..3, s = d*sc, c = -dmin*mn      1.16 B/weight
                            per 16 values
-    Q3_K                -> NativeQ8: codes -4..3, s = d*(sc - 32) per 16     1.5  B/weight
+    Q3_K                -> NativeQ8: codes -4..3, s = d*(sc - 32) per 16     1.16 B/weight
     IQ4_NL              -> NativeQ8: codes KVALUES_IQ4NL[q], s = d per 32    1.125 B/weight
                            (fp16 tables: s is d itself, c is 0)
-    IQ4_XS              -> NativeQ8: codes KVALUES_IQ4NL[q], s = d*(ls-32)   1.25 B/weight
+    IQ4_XS              -> NativeQ8: codes KVALUES_IQ4NL[q], s = d*(ls-32)   1.09 B/weight
                            per 32
-    (B/weight counts fp32 s and c tables; scale_tables stores fp16 ones where every value fits.)
+    (B/weight counts fp32 s and c tables; scale_tables stores fp16 ones where every value fits,
+    and the K-quants and IQ4_XS keep ggml's two levels, a float32 d per 256 values and an int8
+    sub-scale per group, so Q4_K costs 0.59 B/weight, Q6_K 1.16, Q5_K 1.09, Q2_K and Q3_K
+    1.16, IQ4_XS 1.09: memwall/kernels/cpu/layout.py.)
     Q2_K, Q3_K and IQ4 take 2.6, 3.4 and 4.25-4.5 bits a weight in the file, so kept as int8
     codes they grow 2-5x (still at most 3/8 of fp32), and stay exact.
     Exact because s * q is exact in fp32 for all four (at most 11 + 5 + 7 = 23 significant
@@ -58,6 +63,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 
+from memwall.kernels.cpu.layout import two_level_table
 from memwall.loader.gguf_loader import hf_tensor_name, unpermute_qk
 from memwall.loader.gguf_weights import (QK_K, _bits, _f16, _k_scales_mins, _nibbles, dequantize,
                                          iq4_levels, iq4_xs_scales, q2_k_codes, q3_k_codes,
@@ -144,9 +150,16 @@ REPACKABLE = (*_PLANES, *_REQUANTIZED)
 
 # --------------------------------------------------------------------------- native (fp32) layouts
 
-# (codes [n_blocks, block], s [n_blocks, groups], c [same]) with w = s * q + c, exactly ggml's
-# arithmetic; codes fit 4 bits for the Q4 types, int8 for the others.
-Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# (codes [n_blocks, block], s, c) with w = s * q + c, exactly ggml's arithmetic; codes fit 4
+# bits for the Q4 types, int8 for the others. s and c are float [n_blocks, groups], or for the
+# K-quants Factored: (d [n_blocks, 1] float32, sub [n_blocks, groups] integers) with entry
+# d * sub, the product ggml forms, kept as two-level tables (memwall/kernels/cpu/layout.py).
+Factored = tuple[torch.Tensor, torch.Tensor]
+Codes = tuple[torch.Tensor, "torch.Tensor | Factored", "torch.Tensor | Factored"]
+
+
+def _zeros(d: torch.Tensor, groups: int) -> Factored:
+    return torch.zeros_like(d), torch.zeros(d.shape[0], groups, dtype=torch.int8)
 
 
 def _n_q4_0(b: torch.Tensor) -> Codes:
@@ -167,10 +180,11 @@ def _n_q5_1(b: torch.Tensor) -> Codes:
     return q5_codes(b[:, 4:8], b[:, 8:]).to(torch.int8), _f16(b[:, :2]), _f16(b[:, 2:4])
 
 
-def _n_k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _n_k_scales(b: torch.Tensor) -> tuple[Factored, Factored]:
+    """Q4_K / Q5_K: s = d * sc, c = -dmin * mn (= -(dmin * mn) bit for bit), 8 per block."""
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
     sc, mn = _k_scales_mins(b[:, 4:16])
-    return d * sc.float(), -(dmin * mn.float())  # [n, 8] each
+    return (d, sc.to(torch.int8)), (-dmin, mn.to(torch.int8))
 
 
 def _n_q4_k(b: torch.Tensor) -> Codes:
@@ -194,20 +208,21 @@ def _n_q6_k(b: torch.Tensor) -> Codes:
     ql = _nibbles(b[:, 0:128], 64).reshape(n, 8, 32)
     qh = _bits(b[:, 128:192], range(0, 8, 2), 0x03, 32).reshape(n, 8, 32)
     q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(n, QK_K)
-    s = _f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
-    return q, s, torch.zeros_like(s)
+    d = _f16(b[:, 208:210])
+    return q, (d, b[:, 192:208].contiguous().view(torch.int8)), _zeros(d, 16)  # 16 per block
 
 
 def _n_q2_k(b: torch.Tensor) -> Codes:
     # s * q is exact (d*sc has at most 15 bits, q 2), so s * q + c rounds as d*sc * q - dmin*mn
     d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
-    s, c = d * (b[:, 0:16] & 0x0F).float(), -(dmin * (b[:, 0:16] >> 4).float())  # [n, 16]
-    return q2_k_codes(b[:, 16:80]).reshape(b.shape[0], QK_K).to(torch.int8), s, c
+    sc = b[:, 0:16]
+    codes = q2_k_codes(b[:, 16:80]).reshape(b.shape[0], QK_K).to(torch.int8)
+    return codes, (d, (sc & 0x0F).to(torch.int8)), (-dmin, (sc >> 4).to(torch.int8))
 
 
 def _n_q3_k(b: torch.Tensor) -> Codes:
-    s = _f16(b[:, 108:110]) * q3_k_scales(b[:, 96:108]).float()  # [n, 16]
-    return q3_k_codes(b).reshape(b.shape[0], QK_K), s, torch.zeros_like(s)
+    d = _f16(b[:, 108:110])
+    return q3_k_codes(b).reshape(b.shape[0], QK_K), (d, q3_k_scales(b[:, 96:108])), _zeros(d, 16)
 
 
 def _n_iq4_nl(b: torch.Tensor) -> Codes:
@@ -216,8 +231,8 @@ def _n_iq4_nl(b: torch.Tensor) -> Codes:
 
 
 def _n_iq4_xs(b: torch.Tensor) -> Codes:
-    s = _f16(b[:, :2]) * iq4_xs_scales(b).float()  # [n, 8]
-    return iq4_levels(b[:, 8:]).reshape(b.shape[0], QK_K), s, torch.zeros_like(s)
+    d = _f16(b[:, :2])
+    return iq4_levels(b[:, 8:]).reshape(b.shape[0], QK_K), (d, iq4_xs_scales(b)), _zeros(d, 8)
 
 
 _NATIVE: dict[QType, Callable[[torch.Tensor], Codes]] = {
@@ -228,10 +243,18 @@ _NATIVE: dict[QType, Callable[[torch.Tensor], Codes]] = {
 _NATIVE_4BIT = (QType.Q4_0, QType.Q4_1, QType.Q4_K)
 
 
+def _row_table(t: "torch.Tensor | Factored", n: int) -> torch.Tensor:
+    """One of ``Codes``' s or c for a weight of n rows: float [n, groups], or the two-level
+    table [n, superblocks, 4 + groups a superblock] of a Factored one."""
+    if isinstance(t, tuple):
+        d, sub = t
+        return two_level_table(d.reshape(n, -1), sub.reshape(n, -1))
+    return t.reshape(n, -1)
+
+
 def _repack_native(blocks: torch.Tensor, qtype: QType, n: int, k: int) -> QuantWeights:
     q, s, c = _NATIVE[qtype](blocks)
-    groups = s.shape[1] * blocks.shape[0] // n  # per row
-    q, s, c = q.reshape(n, k), s.reshape(n, groups), c.reshape(n, groups)
+    q, s, c = q.reshape(n, k), _row_table(s, n), _row_table(c, n)
     if qtype in _NATIVE_4BIT:
         return NativeQ4().from_codes(q, s, c, source=f"gguf {qtype.name}")
     return NativeQ8().from_codes(q, s, c, source=f"gguf {qtype.name}")

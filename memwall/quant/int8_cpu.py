@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from memwall.kernels.cpu import quant_ops
-from memwall.kernels.cpu.layout import PackedWeight
+from memwall.kernels.cpu.layout import PackedWeight, table_groups
 from memwall.quant.base import (QuantLinear, QuantMethod, QuantWeights, columns_of, rows_of,
                                 scale_tables, stack_rows)
 from memwall.quant.int4_cpu import DEQUANT_MIN_TOKENS, _to_bf16_up
@@ -96,8 +96,9 @@ class NativeQ8(QuantMethod):
     def from_codes(self, q: torch.Tensor, s: torch.Tensor, c: torch.Tensor, source: str) -> QuantWeights:
         """q [N, K] int8-range codes; s, c [N, K/G] float with G % 16 == 0."""
         n, k = q.shape
-        if k % s.shape[1] or (k // s.shape[1]) % _K_ALIGN:
-            raise ValueError(f"int8: group of {k // s.shape[1]} inputs is not a multiple of {_K_ALIGN}")
+        groups = table_groups(s)
+        if k % groups or (k // groups) % _K_ALIGN:
+            raise ValueError(f"int8: group of {k // groups} inputs is not a multiple of {_K_ALIGN}")
         s, c = scale_tables(s, c)
         tensors = {"codes": q.to(torch.int8).contiguous(), "s": s, "c": c}
         return QuantWeights(self, tensors, out_features=n, in_features=k, source=source)
@@ -106,16 +107,16 @@ class NativeQ8(QuantMethod):
         return stack_rows(self, parts)  # also refuses parts with other group sizes
 
     def column_unit(self, layer: QuantLinear) -> int:
-        group = layer.in_features // layer.s.shape[1]
-        return _K_ALIGN if layer.s.shape[1] == 1 else group  # per-channel: any aligned cut
+        groups = table_groups(layer.s)
+        return _K_ALIGN if groups == 1 else layer.in_features // groups  # per-channel: any aligned cut
 
     def take_rows(self, layer: QuantLinear, index: torch.Tensor) -> QuantWeights:
         return rows_of(layer, index)
 
     def take_columns(self, layer: QuantLinear, start: int, stop: int) -> QuantWeights:
-        if layer.s.shape[1] == 1:  # one (s, c) per row: the cut keeps them, its group = its width
+        if table_groups(layer.s) == 1:  # one (s, c) per row: the cut keeps them, its group = its width
             return columns_of(layer, start, stop, {"codes": 1}, _K_ALIGN)
-        group = layer.in_features // layer.s.shape[1]
+        group = layer.in_features // table_groups(layer.s)
         return columns_of(layer, start, stop, {"codes": 1, "s": group, "c": group}, group)
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
@@ -123,5 +124,5 @@ class NativeQ8(QuantMethod):
         return y.to(x.dtype)
 
     def native_weight(self, layer: QuantLinear, bias: torch.Tensor | None) -> PackedWeight:
-        return PackedWeight("q8", layer.in_features // layer.s.shape[1], layer.out_features,
+        return PackedWeight("q8", layer.in_features // table_groups(layer.s), layer.out_features,
                             layer.in_features, layer.codes, layer.s, layer.c, bias)

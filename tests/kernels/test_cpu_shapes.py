@@ -450,7 +450,63 @@ def test_scale_tables_are_fp16_only_where_exact():
     for inexact in (exact + 1e-4, exact * 1e5, torch.full((2, 2), float("nan"))):
         assert [t.dtype for t in scale_tables(exact, inexact)] == [torch.float32] * 2
     codes, s, c, _ = _weight("q4", 2, 64, 32, seed=8)
-    assert PackedWeight("q4", 32, 2, 64, codes, s.half(), c.half()).half == 1
-    assert PackedWeight("q4", 32, 2, 64, codes, s, c).half == 0
+    assert PackedWeight("q4", 32, 2, 64, codes, s.half(), c.half()).scale_format == 1
+    assert PackedWeight("q4", 32, 2, 64, codes, s, c).scale_format == 0
     with pytest.raises(LayoutError, match="offsets"):
         PackedWeight("q4", 32, 2, 64, codes, s.half(), c)  # one table each way: refused
+
+
+@pytest.mark.parametrize("kind,group,supers", [("q4", 32, 2), ("q8", 16, 2), ("q8", 32, 1),
+                                               ("q4", 32, 6)])
+@pytest.mark.parametrize("int_acts", [True, False])
+def test_two_level_scale_tables_give_the_float32_tables_results(isa, kind, group, supers, int_acts):
+    """GGUF's K-quants keep a float32 d per 256 values and an int8 sub-scale per group
+    (layout.py two_level_table): every kernel widens an entry to d * sub in fp32, the very float
+    a float32 table holds, so each path's result is bit-identical (one-token gemv, integer rows,
+    the pair layout at 6 superblocks = 48 blocks, AVX-512 tiles, exact kernels, dequantizers)."""
+    from memwall.kernels.cpu.layout import PackedWeight, float_table, two_level_table
+
+    lib = build.lib()
+    k, n = 256 * supers, 40
+    codes, _, _, _ = _weight(kind, n, k, group, seed=11)
+    g = torch.Generator().manual_seed(12)
+    per_super = 256 // group
+    d_s = torch.rand(n, supers, generator=g).half().float()  # an fp16 d, as GGUF stores it
+    d_c = -torch.rand(n, supers, generator=g).half().float()
+    sub_s = torch.randint(-128, 128, (n, supers * per_super), generator=g)
+    sub_c = torch.randint(0, 64, (n, supers * per_super), generator=g)  # Q4_K's 6-bit mins
+    s2, c2 = two_level_table(d_s, sub_s), two_level_table(d_c, sub_c)
+    s = d_s.repeat_interleave(per_super, dim=1) * sub_s.float()  # what ggml computes
+    c = d_c.repeat_interleave(per_super, dim=1) * sub_c.float()
+    assert torch.equal(float_table(s2), s) and torch.equal(float_table(c2), c)
+    assert s2.shape == (n, supers, 4 + per_super) and s2.dtype == torch.uint8
+    assert PackedWeight(kind, group, n, k, codes, s2, c2).scale_format == per_super
+    matmul = quant_ops.q4_matmul if kind == "q4" else quant_ops.q8_matmul
+    lib.mw_set_int_acts(int(int_acts))
+    try:
+        for m in HALF_TOKENS:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            assert torch.equal(matmul(x, codes, s2, c2), matmul(x, codes, s, c)), m
+    finally:
+        lib.mw_set_int_acts(0)
+    dequantize = ((lambda a, b: quant_ops.q4_dequantize(codes, a, b, k)) if kind == "q4"
+                  else (lambda a, b: quant_ops.q8_dequantize(codes, a, b)))
+    assert torch.equal(dequantize(s2, c2), dequantize(s, c))
+
+
+def test_two_level_tables_are_checked():
+    from memwall.kernels.cpu.layout import LayoutError, PackedWeight, two_level_table
+
+    codes, s, c, _ = _weight("q4", 2, 256, 32, seed=9)
+    d, sub = torch.ones(2, 1), torch.ones(2, 8, dtype=torch.int64)
+    table = two_level_table(d, sub)
+    with pytest.raises(LayoutError, match="offsets"):
+        PackedWeight("q4", 32, 2, 256, codes, table, c)  # one table each way: refused
+    short = two_level_table(torch.ones(2, 2), torch.ones(2, 4))  # 2 x 2 entries, a row needs 8
+    with pytest.raises(LayoutError, match="sub-values"):
+        PackedWeight("q4", 32, 2, 256, codes, short, short)
+    single = two_level_table(torch.ones(2, 8), sub)  # one entry a superblock: not two-level
+    with pytest.raises(LayoutError, match="sub-values"):
+        PackedWeight("q4", 32, 2, 256, codes, single, single)
+    with pytest.raises(LayoutError, match="signed byte"):
+        two_level_table(d, sub * 200)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFWriter, quants
 
 from memwall.kernels.cpu import quant_ops
+from memwall.kernels.cpu.layout import float_table, scale_format, table_groups
 from memwall.loader.gguf_loader import gguf_hf_config, iter_gguf_tensors, open_gguf
 from memwall.loader.gguf_weights import SUPPORTED_GGUF_TYPES, dequantize
 from memwall.quant.base import QuantLinear
@@ -100,9 +101,11 @@ def test_native_weights_are_the_reference_weights(qtype):
     raw = random_blocks(qtype, ROWS, COLS, seed=5)
     weights = repack(raw, qtype, (ROWS, COLS), backend="native")
     t = weights.tensors
-    group = COLS // t["s"].shape[1]
+    group = COLS // table_groups(t["s"])
     assert group == (16 if qtype in (Q.Q2_K, Q.Q3_K) else 32)
-    s, c = (t[k].float().repeat_interleave(group, dim=1) for k in ("s", "c"))
+    # the K-quants keep ggml's two levels (a float32 d per 256 values, an int8 sub-scale a group)
+    assert scale_format(t["s"]) == scale_format(t["c"]) == {Q.Q2_K: 16, Q.Q3_K: 16, Q.IQ4_XS: 8}.get(qtype, 1)
+    s, c = (float_table(t[k]).repeat_interleave(group, dim=1) for k in ("s", "c"))
     rebuilt = t["codes"].float() * s + c
     assert torch.equal(rebuilt, dequantize(raw, qtype, (ROWS, COLS)))
     assert weights.source == f"gguf {qtype.name}"

@@ -99,3 +99,23 @@ def test_embedded_file_repacks_to_the_loaders_weights(gguf_path):
         if not wanted:
             break
     assert not wanted
+
+
+# bytes a weight as kept in memory (codes + scale and offset tables) by the native layouts
+NATIVE_BYTES = {Q.Q4_0: 0.625, Q.Q4_1: 0.625, Q.Q5_0: 1.125, Q.Q5_1: 1.125, Q.Q8_0: 1.125,
+                Q.Q4_K: 0.5 + 2 * 12 / 256, Q.Q5_K: 1 + 2 * 12 / 256, Q.Q6_K: 1 + 2 * 20 / 256}
+
+
+@pytest.mark.skipif(not quant_ops.available(), reason="no C compiler for the native kernels")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_native_layouts_keep_the_reference_weights_in_few_bytes(qtype):
+    """fp16 tables for Q4_0/Q4_1/Q5_x/Q8_0, ggml's two-level tables for the K-quants (a float32
+    d per 256 values, an int8 sub-scale per group): the kernels' dequantizer rebuilds the GGUF
+    reference weights bit for bit, at the bytes a weight that layout costs."""
+    rows, cols = 8, 512
+    raw = random_blocks(qtype, rows, cols, seed=3)
+    t = repack(raw, qtype, (rows, cols), "native").tensors
+    rebuilt = (quant_ops.q4_dequantize(t["codes"], t["s"], t["c"], cols) if t["codes"].dtype == torch.uint8
+               else quant_ops.q8_dequantize(t["codes"], t["s"], t["c"]))
+    assert torch.equal(rebuilt, dequantize(raw, qtype, (rows, cols)))
+    assert sum(v.numel() * v.element_size() for v in t.values()) == NATIVE_BYTES[qtype] * rows * cols

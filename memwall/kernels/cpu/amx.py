@@ -31,7 +31,7 @@ import time
 import torch
 
 from memwall.kernels.cpu import build
-from memwall.kernels.cpu.layout import check_packed, half_scales
+from memwall.kernels.cpu.layout import check_packed, scale_format
 
 logger = logging.getLogger("memwall")
 
@@ -83,10 +83,10 @@ def split_weight(kind: str, k: int, codes: torch.Tensor, s: torch.Tensor,
         lib = build.require()
         if kind == "q4":
             lib.mw_q4_dequant_split(codes.data_ptr(), s.data_ptr(), c.data_ptr(), hi.data_ptr(),
-                                    lo.data_ptr(), n, k, half_scales(s))
+                                    lo.data_ptr(), n, k, scale_format(s))
         else:
             lib.mw_q8_dequant_split(codes.data_ptr(), s.data_ptr(), c.data_ptr(), hi.data_ptr(),
-                                    lo.data_ptr(), n, k, group, half_scales(s))
+                                    lo.data_ptr(), n, k, group, scale_format(s))
     return hi, lo
 
 

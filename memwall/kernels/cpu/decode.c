@@ -50,7 +50,7 @@ typedef struct {            /* one weight matrix [n, k]; y = x @ W^T (+ bias) */
     int32_t group;          /* MW_Q8: values per (s, c) pair */
     int64_t n, k;
     const void* w;
-    const void* s;          /* float32, or float16 when half */
+    const void* s;          /* a scale table in the format half names (kernels.h) */
     const void* c;
     const float* bias;      /* [n] or NULL */
     int64_t half;

@@ -88,7 +88,7 @@ def _part(weight: PackedWeight) -> Part:
         return None if t is None else t.data_ptr()
 
     return Part(KINDS[weight.kind], weight.group, weight.n, weight.k, weight.codes.data_ptr(),
-                ptr(weight.scales), ptr(weight.offsets), ptr(weight.bias), int(weight.half))
+                ptr(weight.scales), ptr(weight.offsets), ptr(weight.bias), int(weight.scale_format))
 
 
 def _proj(module: nn.Module, keep: list) -> Proj:

@@ -192,14 +192,49 @@ static inline void mw_halves_to_floats(const uint16_t* src, float* dst, int64_t 
     for (; i < n; i++) dst[i] = mw_half_to_float(src[i]);
 }
 
-/* The scales and offsets of a q4/q8 weight (s, c [N, K/group]) are float32, or float16 when
- * the caller says ``half`` (GGUF's Q4_0/Q4_1/Q8_0 store them as fp16: memwall keeps them so,
- * half the bytes). Kernels read float32: count entries from index first of a table, as float32
- * -- the table itself when it is float32, else converted into buf. */
+/* The scales and offsets of a q4/q8 weight (s, c [N, K/group]) come in one of three table
+ * formats, which every kernel takes as its ``half`` argument (the name is older than the third):
+ *
+ *   0    float32, an entry each
+ *   1    float16 (GGUF's Q4_0/Q4_1/Q8_0 store theirs so: half the bytes, no weight changes)
+ *   E>1  two-level, as GGUF's K-quants store them: runs of E entries ("superblocks") share one
+ *        float32 d, and each entry is a signed 8-bit sub-value: entry = d * (float)sub, one
+ *        fp32 multiply, which is ggml's own arithmetic (d * sc), so the weights are the same
+ *        bits as from a float32 table. A superblock is 4 + E bytes: d, then its E int8 subs.
+ *        E = 8 for 32-value groups in 256-value superblocks (Q4_K, Q5_K, IQ4_XS), 16 for
+ *        16-value groups (Q6_K, Q3_K, Q2_K). A Q4_K weight then costs 0.59 bytes a value
+ *        instead of 0.75, a Q6_K one 1.16 instead of 1.5.
+ *
+ * Kernels read float32: count entries from index first of a table, as float32 -- the table
+ * itself when it is float32, else converted into buf. Callers ask for whole rows, so first and
+ * count are multiples of E. */
+static inline void mw_two_level_to_floats(const uint8_t* table, int64_t E, int64_t first,
+                                          int64_t count, float* dst) {
+    const uint8_t* sb = table + first / E * (4 + E);
+    for (int64_t done = 0; done < count; done += E, sb += 4 + E) {
+        float d;
+        memcpy(&d, sb, sizeof d);  /* unaligned-safe: a superblock is 4 + E bytes */
+        const int8_t* sub = (const int8_t*)(sb + 4);
+        int64_t j = 0;
+#if defined(__AVX2__)
+        /* the decode step widens these per row group while the rows stream: 8 at a time */
+        const __m256 vd = _mm256_set1_ps(d);
+        for (; j + 8 <= E; j += 8) {
+            int64_t bytes;
+            memcpy(&bytes, sub + j, sizeof bytes);
+            const __m256i wide = _mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bytes));
+            _mm256_storeu_ps(dst + done + j, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(wide)));
+        }
+#endif
+        for (; j < E; j++) dst[done + j] = d * (float)sub[j];
+    }
+}
+
 static inline const float* mw_scales_f32(const void* table, int half, int64_t first,
                                          int64_t count, float* buf) {
-    if (!half) return (const float*)table + first;
-    mw_halves_to_floats((const uint16_t*)table + first, buf, count);
+    if (half == 0) return (const float*)table + first;
+    if (half == 1) mw_halves_to_floats((const uint16_t*)table + first, buf, count);
+    else mw_two_level_to_floats((const uint8_t*)table, half, first, count, buf);
     return buf;
 }
 
@@ -209,20 +244,20 @@ static inline const float* mw_scales_f32(const void* table, int half, int64_t fi
  * a message: a kernel must not return a result it never wrote. */
 typedef struct { const float *s, *c; float *own_s, *own_c; } mw_f32_tables;
 
-static inline float* mw_widened(const void* table, int64_t count) {
+static inline float* mw_widened(const void* table, int64_t count, int half) {
     float* copy = (float*)malloc(sizeof(float) * (size_t)(count > 0 ? count : 1));
     if (!copy) {
-        fprintf(stderr, "memwall: a float32 copy of fp16 scales could not allocate %zu bytes\n",
+        fprintf(stderr, "memwall: a float32 copy of a scale table could not allocate %zu bytes\n",
                 sizeof(float) * (size_t)count);
         abort();
     }
-    mw_halves_to_floats((const uint16_t*)table, copy, count);
+    mw_scales_f32(table, half, 0, count, copy);
     return copy;
 }
 
 static inline mw_f32_tables mw_tables_f32(const void* s, const void* c, int64_t count, int half) {
     mw_f32_tables t = {(const float*)s, (const float*)c, NULL, NULL};
-    if (half) t.s = t.own_s = mw_widened(s, count), t.c = t.own_c = mw_widened(c, count);
+    if (half) t.s = t.own_s = mw_widened(s, count, half), t.c = t.own_c = mw_widened(c, count, half);
     return t;
 }
 

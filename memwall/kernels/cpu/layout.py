@@ -11,9 +11,16 @@ read only these descriptions, so nothing in memwall/kernels imports memwall/quan
                                                                q[j] | q[j + 16] << 4
     q8    int8    [N, K]               float [N, K/group]      s * q + c,  group % 16 == 0
 
-Scales and offsets are float32, or float16 (both the same): GGUF's Q4_0, Q4_1 and Q8_0 store
-theirs as fp16, and keeping them so halves their bytes (a tenth of a Q4 weight's) with no
-change to any weight; the kernels widen them as they read (``half_scales``).
+Scales and offsets are tables [N, K/group] in one of three formats, both the same
+(``scale_format``, the kernels' ``half`` argument; kernels.h says how they are read):
+    float32           an entry each
+    float16           GGUF's Q4_0, Q4_1 and Q8_0 store theirs so; keeping them halves their
+                      bytes (a tenth of a Q4 weight's) with no change to any weight
+    two-level uint8   [N, S, 4 + E]: GGUF's K-quants' layout. Each of the S superblocks of a
+                      row holds a float32 d (4 bytes) and E int8 sub-values; entry = d * sub in
+                      fp32, the same bits ggml computes (a Q4_K weight: 0.59 bytes a value
+                      instead of 0.75 with float32 tables; Q6_K 1.16 instead of 1.5)
+The kernels widen them to float32 as they read.
 
 All rows are contiguous and on the CPU; ``bias`` is float32 [N] or None.
 """
@@ -29,7 +36,8 @@ KINDS = ("f32", "q4", "q8")
 Q4_BLOCK = 32  # inputs per (scale, offset) pair of a q4 weight
 Q8_ALIGN = 16  # a q8 group is a multiple of this many inputs (the kernels' vector width)
 _CODE_DTYPES = {"f32": torch.float32, "q4": torch.uint8, "q8": torch.int8}
-SCALE_DTYPES = (torch.float32, torch.float16)
+SCALE_DTYPES = (torch.float32, torch.float16)  # the one-entry-each formats
+_D_BYTES = 4  # a two-level superblock's float32 d
 
 
 class LayoutError(ValueError):
@@ -50,9 +58,9 @@ class PackedWeight:
     bias: torch.Tensor | None = None
 
     @property
-    def half(self) -> int:
-        """1 when the scales and offsets are float16 (the kernels' ``half`` argument)."""
-        return 0 if self.scales is None else half_scales(self.scales)
+    def scale_format(self) -> int:
+        """The kernels' ``half`` argument for the scale and offset tables (``scale_format``)."""
+        return 0 if self.scales is None else scale_format(self.scales)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -75,7 +83,7 @@ def check_packed(kind: str, k: int, codes: torch.Tensor, scales: torch.Tensor,
     if k < 1:
         raise LayoutError(f"{kind} weight: in_features must be at least 1, got {k}")
     n = codes.shape[0] if codes is not None and codes.dim() == 2 else -1
-    groups = scales.shape[1] if scales is not None and scales.dim() == 2 else 0
+    groups = table_groups(scales) if scales is not None and scales.dim() in (2, 3) else 0
     if kind == "q4":
         if k % Q4_BLOCK:
             raise LayoutError(f"q4 weight: in_features {k} is not a multiple of {Q4_BLOCK}; "
@@ -89,15 +97,57 @@ def check_packed(kind: str, k: int, codes: torch.Tensor, scales: torch.Tensor,
     else:
         raise LayoutError(f"kind {kind!r} is not a packed layout (q4 or q8)")
     _check_tensor(f"{kind} codes", codes, _CODE_DTYPES[kind], (n, width))
+    if scales is not None and scales.dim() == 3:  # two-level: offsets in the same superblocks
+        shape = (n, *scales.shape[1:])
+        _check_tensor(f"{kind} scales", scales, torch.uint8, shape)
+        _check_tensor(f"{kind} offsets", offsets, torch.uint8, shape)
+        if scales.shape[2] <= _D_BYTES + 1 or table_groups(scales) != k // group:
+            raise LayoutError(f"{kind} two-level scales {list(scales.shape)}: need 2 or more "
+                              f"sub-values after a {_D_BYTES}-byte d in each superblock, "
+                              f"{k // group} in a row")
+        return n, group
     scale_dtype = scales.dtype if scales is not None and scales.dtype in SCALE_DTYPES else torch.float32
     _check_tensor(f"{kind} scales", scales, scale_dtype, (n, k // group))
     _check_tensor(f"{kind} offsets", offsets, scale_dtype, (n, k // group))
     return n, group
 
 
-def half_scales(scales: torch.Tensor) -> int:
-    """The kernels' ``half`` argument: 1 for float16 scales and offsets, 0 for float32."""
-    return int(scales.dtype == torch.float16)
+def scale_format(table: torch.Tensor) -> int:
+    """The kernels' ``half`` argument for a scale or offset table: 0 float32, 1 float16, E for
+    a two-level table of E sub-values a superblock."""
+    if table.dim() == 3:
+        return table.shape[2] - _D_BYTES
+    return int(table.dtype == torch.float16)
+
+
+def table_groups(table: torch.Tensor) -> int:
+    """Entries a row of a scale or offset table holds, whatever its format."""
+    return table.shape[1] * (table.shape[2] - _D_BYTES) if table.dim() == 3 else table.shape[1]
+
+
+def two_level_table(d: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+    """d float32 [N, S], sub integers in -128..127 [N, S * E] -> the two-level table
+    [N, S, 4 + E] uint8 whose entry (n, s * E + j) is d[n, s] * sub[n, s * E + j]."""
+    n, supers = d.shape
+    if sub.shape[0] != n or sub.shape[1] % max(supers, 1):
+        raise LayoutError(f"two-level table: {tuple(sub.shape)} sub-values do not split into "
+                          f"the {supers} superblocks of d {tuple(d.shape)}")
+    if sub.numel() and (sub.min() < -128 or sub.max() > 127):
+        raise LayoutError("two-level table: sub-values must fit a signed byte")
+    e = sub.shape[1] // max(supers, 1)
+    head = d.to(torch.float32).contiguous().view(torch.uint8).reshape(n, supers, _D_BYTES)
+    tail = sub.to(torch.int8).reshape(n, supers, e).view(torch.uint8)
+    return torch.cat([head, tail], dim=2).contiguous()
+
+
+def float_table(table: torch.Tensor) -> torch.Tensor:
+    """Any scale or offset table as float32 [N, groups], each entry as the kernels read it."""
+    if table.dim() != 3:
+        return table.float()
+    n, supers, width = table.shape
+    d = table[:, :, :_D_BYTES].contiguous().view(torch.float32)  # [N, S, 1]
+    sub = table[:, :, _D_BYTES:].contiguous().view(torch.int8).float()  # [N, S, E]
+    return (d * sub).reshape(n, supers * (width - _D_BYTES))
 
 
 def check_input(x: torch.Tensor, k: int, what: str) -> None:

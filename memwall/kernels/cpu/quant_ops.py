@@ -28,7 +28,7 @@ import torch
 
 from memwall.kernels.cpu import amx, build
 from memwall.kernels.cpu.build import available
-from memwall.kernels.cpu.layout import check_input, check_packed, half_scales
+from memwall.kernels.cpu.layout import check_input, check_packed, scale_format
 
 MAX_TOKENS = 16  # MW_MAX_ROWS in kernels.h: larger batches go in tiles of this many tokens
 # Up to this many tokens the integer kernels beat dequantize + BLAS; past it fp32 BLAS (near
@@ -101,7 +101,7 @@ def _matmul(kind: str, x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor,
         grouped = () if kind == "q4" else (group,)  # q4's blocks are always 32 wide
         # more than MAX_TOKENS only with integer activations
         gemm(x.data_ptr(), m, k, *grouped, codes.data_ptr(), s.data_ptr(), c.data_ptr(),
-             y.data_ptr(), n, half_scales(s))
+             y.data_ptr(), n, scale_format(s))
         return y
     if int_acts and amx.use_for(m):
         return amx.matmul(kind, x, codes, s, c)
@@ -119,7 +119,7 @@ def tiles_matmul(kind: str, x: torch.Tensor, codes: torch.Tensor, s: torch.Tenso
     tiles = lib.q4_gemm_tiles if kind == "q4" else lib.q8_gemm_tiles
     grouped = () if kind == "q4" else (group,)
     if tiles(x.data_ptr(), x.shape[0], k, *grouped, codes.data_ptr(), s.data_ptr(),
-             c.data_ptr(), y.data_ptr(), n, half_scales(s)):
+             c.data_ptr(), y.data_ptr(), n, scale_format(s)):
         return y
     weight = q4_dequantize(codes, s, c, k) if kind == "q4" else q8_dequantize(codes, s, c)
     return _big_linear(x, weight)
@@ -138,7 +138,7 @@ def q4_dequantize(codes: torch.Tensor, s: torch.Tensor, c: torch.Tensor, k: int)
     w = torch.empty(n, k, dtype=torch.float32)
     if n:
         _lib().q4_dequant(codes.data_ptr(), s.data_ptr(), c.data_ptr(), w.data_ptr(), n, k,
-                          half_scales(s))
+                          scale_format(s))
     return w
 
 
@@ -149,5 +149,5 @@ def q8_dequantize(codes: torch.Tensor, s: torch.Tensor, c: torch.Tensor) -> torc
     w = torch.empty(n, k, dtype=torch.float32)
     if n:
         _lib().q8_dequant(codes.data_ptr(), s.data_ptr(), c.data_ptr(), w.data_ptr(), n, k, group,
-                          half_scales(s))
+                          scale_format(s))
     return w
