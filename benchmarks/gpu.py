@@ -16,6 +16,12 @@ checking that they agree (relative-norm error), and reports:
               once) over the Triton time; compare with the device copy ceiling measured first
     TFLOP/s   attention only: 4 * heads * head_dim per (query, visible key) pair
 
+FP8 linear rows: the weight-only Triton kernel (memwall/kernels/triton/fp8_linear.py) at
+decode row counts for o_proj (4096x4096) and the fused gate_up (28672x4096), fp8 weights with a
+scale per channel; "torch ms" there is fp8_scaled_mm on the same inputs (x quantized per token,
+then torch._scaled_mm: what Fp8Linear ran before; NaN below compute capability 8.9), and the
+JSON also keeps bf16 F.linear's time (bf16_ms). GB/s counts the fp8 weight, its scales, x and y.
+
 Attention rows also sweep a few tile shapes (prefill rows x key tile x warps; decode key tile)
 and keep every config's time in the JSON. Results go to benchmarks/results/gpu-kernels-<device>-
 <timestamp>.json. Needs CUDA and triton (except --smoke); imports cleanly without either.
@@ -157,6 +163,33 @@ def write_kv_case(tokens: int) -> dict:
     return row(f"write_kv T={tokens}", t_ms, r_ms, 4 * k.numel() * k.element_size(), 0.0, err)
 
 
+# ---- fp8 weights ---------------------------------------------------------------------------------
+FP8_SHAPES = [(HIDDEN, HIDDEN), (2 * INTER, HIDDEN)]  # (N, K): o_proj, gate_up fused
+
+
+def fp8_linear_case(m: int, n: int, k: int) -> dict:
+    from memwall.kernels.triton import fp8_linear as fl
+    from memwall.quant.fp8 import (dequantize_fp8_rows, fp8_scaled_mm, quantize_fp8_rows,
+                                   scaled_mm_supported)
+
+    w = torch.randn(n, k, device="cuda", dtype=DTYPE)
+    q, scale = quantize_fp8_rows(w)
+    del w
+    x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+    ref = x.float() @ dequantize_fp8_rows(q, scale).T  # the same fp8 numbers, x unquantized
+    err = rel_err(fl.fp8_linear(x, q, scale), ref)
+    t_ms = bench_ms(lambda: fl.fp8_linear(x, q, scale))
+    s_ms = (bench_ms(lambda: fp8_scaled_mm(x, q, scale)) if scaled_mm_supported(x.device)
+            else float("nan"))
+    w16 = dequantize_fp8_rows(q, scale, DTYPE)
+    bf16_ms = bench_ms(lambda: torch.nn.functional.linear(x, w16))
+    cfg = fl.pick_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+    nbytes = n * k + 4 * n + 2 * (m * k + m * n)  # fp8 weight, fp32 scales, bf16 x and y
+    return row(f"fp8 linear M={m} {n}x{k}", t_ms, s_ms, nbytes, 2.0 * m * n * k, err,
+               best=f"split_k={cfg.split_k} block_n={cfg.block_n} block_m={cfg.block_m}",
+               bf16_ms=bf16_ms, bf16_GBps=2 * n * k / bf16_ms / 1e6)
+
+
 # ---- report ------------------------------------------------------------------------------------
 def row(name: str, triton_ms: float, torch_ms: float, nbytes: float, flops: float, err: float,
         **extra) -> dict:
@@ -180,6 +213,9 @@ def run(quick: bool) -> dict:
     rows = attention_cases(quick)
     for tokens in ([256] if quick else [256, 4096]):
         rows.append(write_kv_case(tokens))
+    for m in ([1, 16] if quick else [1, 16, 32]):  # 32: Fp8Linear's SMALL_M_MAX
+        for n, k in FP8_SHAPES:
+            rows.append(fp8_linear_case(m, n, k))
     print_table(rows, ceil)
     import triton
 

@@ -2,19 +2,24 @@
 
     w[n, k] ~= q[n, k] * scale[n]        q: torch.float8_e4m3fn, |q| <= 448
 
-On a CUDA device with FP8 tensor cores (compute capability >= 8.9), ``apply`` quantizes the
-activations too, one scale per token computed on the fly ("dynamic per-token"), and multiplies
-on ``torch._scaled_mm`` with row-wise scales:
+``apply`` picks one of three paths (``use_small_m_kernel`` decides the first):
 
-    y[t, n] = sum_k xq[t, k] * q[n, k] * x_scale[t] * scale[n]
-
-Everywhere else (the CPU, older GPUs) it widens the weight to the activation dtype and calls
-F.linear: slow, but the same stored numbers, which is how the CPU tests check the format.
+    cuda, <= SMALL_M_MAX rows (decode)   the Triton weight-only kernel (memwall/kernels/triton/
+                                         fp8_linear.py): the weight bytes streamed once, widened
+                                         in registers; x stays in its dtype. Any CUDA GPU.
+    cuda, compute capability >= 8.9      x quantized too, one scale per token computed on the
+                                         fly ("dynamic per-token"), on ``torch._scaled_mm``:
+                                         y[t, n] = sum_k xq[t, k] * q[n, k] * x_scale[t] * scale[n]
+    elsewhere (the CPU, older GPUs)      the weight widened to x's dtype, then F.linear: slow,
+                                         but the same stored numbers (how the CPU tests check
+                                         the format)
 The lm_head and embeddings stay in the compute dtype (``quantize_model(..., include_lm_head=
 False)`` at the call site): the head's error lands directly on the logits.
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +31,13 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448.0
 _ALIGN = 16  # _scaled_mm wants both matrix dims of the weight to be multiples of 16
 _MIN_SCALE = 1e-12  # keeps an all-zero row or token from dividing by zero
+SMALL_M_MAX = 32
+"""Up to this many rows (tokens) a CUDA matmul runs the Triton weight-only kernel. There the
+matmul is bound by reading the weight, and _scaled_mm paid for quantizing x in extra launches
+and reached 29% of the copy rate at one token (H100), slower than bf16 weights. Above it the
+work grows with the rows and fp8 tensor cores (prefill) win. 32 takes the CUDA-graph buckets
+1..32 (memwall/worker/cuda_graphs.py); 64 and 128 stay on _scaled_mm until benchmarks/gpu.py's
+fp8 linear rows show where the crossover really lies."""
 
 
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,8 +65,29 @@ def scaled_mm_supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def use_small_m_kernel(device_type: str, rows: int, triton_available: bool) -> bool:
+    """Whether ``apply`` sends ``rows`` rows of x to the Triton kernel: on cuda with triton,
+    1..SMALL_M_MAX rows, whatever the compute capability (the kernel decodes FP8 itself where
+    the GPU has no FP8 units). The CPU keeps the F.linear path."""
+    return device_type == "cuda" and triton_available and 1 <= rows <= SMALL_M_MAX
+
+
+@lru_cache(maxsize=1)
+def _small_m_kernel():
+    """The Triton launcher, or None without triton: imported on the first cuda call only, so
+    that a CPU process never imports triton for FP8 weights."""
+    from memwall.kernels.triton import TRITON_AVAILABLE
+
+    if not TRITON_AVAILABLE:
+        return None
+    from memwall.kernels.triton.fp8_linear import fp8_linear
+
+    return fp8_linear
+
+
 class Fp8Linear(QuantMethod):
-    """E4M3 weights, a float32 scale per output channel; activations quantized per token."""
+    """E4M3 weights, a float32 scale per output channel; on cuda, activations quantized per
+    token above SMALL_M_MAX rows, kept in their dtype at or below it."""
 
     name = "fp8"
 
@@ -83,6 +116,10 @@ class Fp8Linear(QuantMethod):
         return columns_of(layer, start, stop, {"qweight": 1}, _ALIGN)  # wscale: one per output row
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(1, x.shape[-1])  # leading dims flattened
+        kernel = _small_m_kernel() if x.is_cuda else None
+        if use_small_m_kernel(x.device.type, rows, kernel is not None):
+            return kernel(x, layer.qweight, layer.wscale)
         if scaled_mm_supported(x.device):
             return fp8_scaled_mm(x, layer.qweight, layer.wscale)
         w = dequantize_fp8_rows(layer.qweight, layer.wscale, x.dtype)  # [out, in]
