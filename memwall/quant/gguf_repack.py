@@ -162,13 +162,27 @@ def _zeros(d: torch.Tensor, groups: int) -> Factored:
     return torch.zeros_like(d), torch.zeros(d.shape[0], groups, dtype=torch.int8)
 
 
+# The 4-bit types return their codes packed in the kernels' q4 layout (per 32-value block,
+# byte j = q[j] | q[j + 16] << 4): Q4_0 and Q4_1 store exactly that, and Q4_K's bytes move
+# into it with four byte operations, never widened to a byte a value (the load's hot spot).
+
 def _n_q4_0(b: torch.Tensor) -> Codes:
     d = _f16(b[:, :2])
-    return _nibbles(b[:, 2:], 16).reshape(b.shape[0], 32), d, -8 * d
+    return b[:, 2:18], d, -8 * d
 
 
 def _n_q4_1(b: torch.Tensor) -> Codes:
-    return _nibbles(b[:, 4:], 16).reshape(b.shape[0], 32), _f16(b[:, :2]), _f16(b[:, 2:4])
+    return b[:, 4:20], _f16(b[:, :2]), _f16(b[:, 2:4])
+
+
+def _q4_k_packed(qs: torch.Tensor) -> torch.Tensor:
+    """Q4_K's 128 code bytes a block -> the q4 layout. Chunk c's 32 bytes hold values 64c + j
+    (low nibble of byte j) and 64c + 32 + j (high nibble): our block 2c takes the low nibbles
+    of bytes j and j + 16, block 2c + 1 their high nibbles."""
+    lo, hi = qs.reshape(-1, 4, 2, 16).unbind(2)  # [n, 4, 16]: bytes 0..15, 16..31 of a chunk
+    first = (lo & 0x0F) | (hi << 4)  # uint8: the shift drops hi's high nibble
+    second = (lo >> 4) | (hi & 0xF0)
+    return torch.stack([first, second], dim=2).reshape(-1, 128)
 
 
 def _n_q5_0(b: torch.Tensor) -> Codes:
@@ -188,7 +202,7 @@ def _n_k_scales(b: torch.Tensor) -> tuple[Factored, Factored]:
 
 
 def _n_q4_k(b: torch.Tensor) -> Codes:
-    return (_nibbles(b[:, 16:], 32).reshape(b.shape[0], QK_K), *_n_k_scales(b))
+    return (_q4_k_packed(b[:, 16:]), *_n_k_scales(b))
 
 
 def _n_q5_k(b: torch.Tensor) -> Codes:
@@ -204,10 +218,16 @@ def _n_q8_0(b: torch.Tensor) -> Codes:
 
 
 def _n_q6_k(b: torch.Tensor) -> Codes:
+    """Each 128-value half: ql's 64 bytes (a = bytes 0..31, b = 32..63) give the low 4 bits,
+    qh's 32 bytes h the top 2: values j, 32 + j, 64 + j, 96 + j are a & 15 | (h & 3) << 4,
+    b & 15 | (h >> 2 & 3) << 4, a >> 4 | (h >> 4 & 3) << 4, b >> 4 | (h >> 6) << 4, minus 32
+    (ggml's dequantize_row_q6_K), in byte operations."""
     n = b.shape[0]
-    ql = _nibbles(b[:, 0:128], 64).reshape(n, 8, 32)
-    qh = _bits(b[:, 128:192], range(0, 8, 2), 0x03, 32).reshape(n, 8, 32)
-    q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(n, QK_K)
+    a, bb = b[:, 0:128].reshape(n, 2, 2, 32).unbind(2)  # [n, 2 halves, 32]
+    h = b[:, 128:192].reshape(n, 2, 32)
+    q = torch.stack([(a & 0x0F) | ((h & 0x03) << 4), (bb & 0x0F) | ((h & 0x0C) << 2),
+                     (a >> 4) | (h & 0x30), (bb >> 4) | ((h >> 2) & 0x30)], dim=2)
+    q = (q.view(torch.int8) - 32).reshape(n, QK_K)
     d = _f16(b[:, 208:210])
     return q, (d, b[:, 192:208].contiguous().view(torch.int8)), _zeros(d, 16)  # 16 per block
 
@@ -254,10 +274,10 @@ def _row_table(t: "torch.Tensor | Factored", n: int) -> torch.Tensor:
 
 def _repack_native(blocks: torch.Tensor, qtype: QType, n: int, k: int) -> QuantWeights:
     q, s, c = _NATIVE[qtype](blocks)
-    q, s, c = q.reshape(n, k), _row_table(s, n), _row_table(c, n)
-    if qtype in _NATIVE_4BIT:
-        return NativeQ4().from_codes(q, s, c, source=f"gguf {qtype.name}")
-    return NativeQ8().from_codes(q, s, c, source=f"gguf {qtype.name}")
+    s, c = _row_table(s, n), _row_table(c, n)
+    if qtype in _NATIVE_4BIT:  # already packed: two codes a byte
+        return NativeQ4().from_packed(q.reshape(n, k // 2), s, c, source=f"gguf {qtype.name}")
+    return NativeQ8().from_codes(q.reshape(n, k), s, c, source=f"gguf {qtype.name}")
 
 
 # --------------------------------------------------------------------------- one tensor

@@ -260,9 +260,16 @@ class NativeQ4(QuantMethod):
 
     def from_codes(self, q: torch.Tensor, s: torch.Tensor, c: torch.Tensor, source: str) -> QuantWeights:
         """q [N, K] codes 0..15; s, c [N, K/32] float: w = s * q + c."""
+        return self.from_packed(pack_nibbles(q), s, c, source)
+
+    def from_packed(self, codes: torch.Tensor, s: torch.Tensor, c: torch.Tensor,
+                    source: str) -> QuantWeights:
+        """codes [N, K/2] uint8 already in the q4 layout (``pack_nibbles``); s, c as above, or
+        two-level tables (memwall/kernels/cpu/layout.py)."""
         s, c = scale_tables(s, c)
-        tensors = {"codes": pack_nibbles(q), "s": s, "c": c}
-        return QuantWeights(self, tensors, out_features=q.shape[0], in_features=q.shape[1], source=source)
+        tensors = {"codes": codes.to(torch.uint8).contiguous(), "s": s, "c": c}
+        return QuantWeights(self, tensors, out_features=codes.shape[0],
+                            in_features=2 * codes.shape[1], source=source)
 
     def concat(self, parts: list[QuantWeights]) -> QuantWeights | None:
         return stack_rows(self, parts)
