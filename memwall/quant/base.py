@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from memwall.kernels.cpu.layout import float_table
+from memwall.kernels.cpu.layout import float_table, scale_format
 
 if TYPE_CHECKING:
     from memwall.kernels.cpu.layout import PackedWeight
@@ -143,7 +143,11 @@ def columns_of(layer: "QuantLinear", start: int, stop: int, inputs_per_column: d
         if per == 0 or t.dim() == 1:
             tensors[name] = t  # a scale per output row: every input slice shares it
             continue
-        if t.dim() == 3:  # a two-level table: a cut may split its superblocks, so cut floats
+        if t.dim() == 3:  # a two-level table: cut whole superblocks, else cut its floats
+            span = per * scale_format(t)  # inputs one superblock covers
+            if start % span == 0 and stop % span == 0:
+                tensors[name] = t[:, start // span: stop // span].contiguous()
+                continue
             t = float_table(t)
         tensors[name] = t[:, start // per: stop // per].contiguous()
     return QuantWeights(layer.method, tensors, layer.out_features, stop - start, layer.source,
