@@ -100,6 +100,9 @@ def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
         return bytes(part).decode("utf-8", errors="replace")
 
     if field.types[0] == GGUFValueType.ARRAY:
+        bulk = getattr(field.parts, "as_list", None)  # memwall's reader: the array in one pass
+        if bulk is not None and len(field.types) == 2 and len(field.data) == len(field.parts):
+            return bulk()
         if field.types[-1] == GGUFValueType.STRING:
             return [as_str(field.parts[i]) for i in field.data]
         return [v for i in field.data for v in field.parts[i].tolist()]
@@ -210,7 +213,7 @@ def _sentencepiece_bpe(meta: _TokenizerMetadata) -> HFTokenizer:
 
 
 MERGES_CACHE = Path(os.environ.get("MEMWALL_CACHE", Path.home() / ".cache" / "memwall")) / "merges"
-MERGES_VERSION = 1  # bump when _derive_merges changes: cached files of another version are ignored
+MERGES_VERSION = 2  # bump when _derive_merges or the file's form changes: other versions are ignored
 
 
 def _merges_from_scores(meta: _TokenizerMetadata, vocab: dict[str, int]) -> list[tuple[str, str]]:
@@ -221,15 +224,17 @@ def _merges_from_scores(meta: _TokenizerMetadata, vocab: dict[str, int]) -> list
     digest = hashlib.sha256(json.dumps([MERGES_VERSION, meta.tokens, scores, meta.token_types],
                                        ensure_ascii=False).encode()).hexdigest()
     path = MERGES_CACHE / f"{digest}.json"
-    try:
-        return [tuple(pair) for pair in json.loads(path.read_text())]
-    except (OSError, ValueError):
+    try:  # two flat lists of strings: json reads them ~3x faster than a list of pairs
+        lefts, rights = json.loads(path.read_text())
+        return list(zip(lefts, rights))
+    except (OSError, ValueError, TypeError):
         pass
     merges = _derive_merges(meta, vocab, scores)
     try:  # a cache that cannot be written (read-only home) only costs the next load its time
         MERGES_CACHE.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.partial")
-        partial.write_text(json.dumps(merges, ensure_ascii=False))
+        partial.write_text(json.dumps([[a for a, _ in merges], [b for _, b in merges]],
+                                      ensure_ascii=False))
         partial.replace(path)
     except OSError:
         pass
