@@ -3,11 +3,14 @@
 Two backends (``backend=`` "auto" picks native when memwall/kernels/cpu could be built):
 
 native (fp32, exact): every weight is rebuilt as s * q + c with ggml's own fp32 arithmetic
-    Q4_0 / Q4_1 / Q4_K  -> NativeQ4: 4-bit codes, s and c per 32 values      0.75 B/weight
-                           (Q4_0/Q4_1 with fp16 tables 0.625, Q4_K two-level 0.59)
-    Q5_0 / Q5_1 / Q5_K  -> NativeQ8: int8 codes, s and c per 32 values       1.25 B/weight
-                           (Q5_0/Q5_1 fp16 1.125, Q5_K two-level 1.09)
-    Q8_0                -> NativeQ8 (as above)
+    (B/weight: codes plus s and c tables as kept, memwall/kernels/cpu/layout.py: fp16 where
+    that holds every value, ggml's two levels for the K-quants and IQ4_XS, a float32 d per 256
+    values and an int8 sub-scale per group)
+    Q4_0 / Q4_1         -> NativeQ4: 4-bit codes, s and c per 32 values      0.625 B/weight
+    Q4_K                -> NativeQ4, two-level s and c per 32 values         0.59 B/weight
+    Q5_0 / Q5_1         -> NativeQ8: int8 codes, s and c per 32 values       1.125 B/weight
+    Q5_K                -> NativeQ8, two-level s and c per 32 values         1.09 B/weight
+    Q8_0                -> NativeQ8 (as Q5_0)                                1.125 B/weight
     Q6_K                -> NativeQ8: int8 codes (q - 32), s per 16 values    1.16 B/weight
     Q2_K                -> NativeQ8: codes 0..3, s = d*sc, c = -dmin*mn      1.16 B/weight
                            per 16 values
@@ -16,10 +19,6 @@ native (fp32, exact): every weight is rebuilt as s * q + c with ggml's own fp32 
                            (fp16 tables: s is d itself, c is 0)
     IQ4_XS              -> NativeQ8: codes KVALUES_IQ4NL[q], s = d*(ls-32)   1.09 B/weight
                            per 32
-    (B/weight counts fp32 s and c tables; scale_tables stores fp16 ones where every value fits,
-    and the K-quants and IQ4_XS keep ggml's two levels, a float32 d per 256 values and an int8
-    sub-scale per group, so Q4_K costs 0.59 B/weight, Q6_K 1.16, Q5_K 1.09, Q2_K and Q3_K
-    1.16, IQ4_XS 1.09: memwall/kernels/cpu/layout.py.)
     Q2_K, Q3_K and IQ4 take 2.6, 3.4 and 4.25-4.5 bits a weight in the file, so kept as int8
     codes they grow 2-5x (still at most 3/8 of fp32), and stay exact.
     Exact because s * q is exact in fp32 for all four (at most 11 + 5 + 7 = 23 significant

@@ -114,9 +114,10 @@ class NativeQ8(QuantMethod):
         return rows_of(layer, index)
 
     def take_columns(self, layer: QuantLinear, start: int, stop: int) -> QuantWeights:
-        if table_groups(layer.s) == 1:  # one (s, c) per row: the cut keeps them, its group = its width
+        groups = table_groups(layer.s)
+        if groups == 1:  # one (s, c) per row: the cut keeps them, its group = its width
             return columns_of(layer, start, stop, {"codes": 1}, _K_ALIGN)
-        group = layer.in_features // table_groups(layer.s)
+        group = layer.in_features // groups
         return columns_of(layer, start, stop, {"codes": 1, "s": group, "c": group}, group)
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
