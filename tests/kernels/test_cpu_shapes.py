@@ -494,6 +494,41 @@ def test_two_level_scale_tables_give_the_float32_tables_results(isa, kind, group
     assert torch.equal(dequantize(s2, c2), dequantize(s, c))
 
 
+@pytest.mark.parametrize("kind,group,table", [("q4", 32, "float32"), ("q4", 32, "fp16"),
+                                               ("q4", 32, "two-level"), ("q8", 32, "fp16"),
+                                               ("q8", 32, "two-level"), ("q8", 16, "two-level"),
+                                               ("q8", 16, "float32")])
+def test_integer_rows_do_not_depend_on_the_batch(isa, kind, group, table):
+    """Up to a tile (8 tokens) the integer kernels take rows one at a time and read the tables
+    in place: a token's outputs are bit-identical whether it runs alone or with 1-7 others
+    (a pipeline stage or a speculative verify batches differently from a plain decode). K of
+    2.5 superblocks (q4, 20 blocks) leaves a tail past the last run of 8 table entries."""
+    from memwall.kernels.cpu.layout import two_level_table
+
+    lib = build.lib()
+    n = 37
+    ks = (512, 640) if table != "two-level" else (512,)
+    for k in ks:
+        codes, s, c, _ = _weight(kind, n, k, group, seed=k)
+        if table == "fp16":
+            s, c = s.half(), c.half()
+        elif table == "two-level":
+            g = torch.Generator().manual_seed(3)
+            per_super, supers = 256 // group, k // 256
+            s = two_level_table(torch.rand(n, supers, generator=g), torch.randint(-128, 128, (n, supers * per_super), generator=g))
+            c = two_level_table(-torch.rand(n, supers, generator=g), torch.randint(0, 64, (n, supers * per_super), generator=g))
+        matmul = quant_ops.q4_matmul if kind == "q4" else quant_ops.q8_matmul
+        x = torch.randn(8, k, generator=torch.Generator().manual_seed(k))
+        lib.mw_set_int_acts(1)
+        try:
+            alone = torch.cat([matmul(x[i:i + 1].contiguous(), codes, s, c) for i in range(8)])
+            for m in range(2, 9):
+                assert torch.equal(matmul(x[:m].contiguous(), codes, s, c), alone[:m]), (k, m)
+        finally:
+            lib.mw_set_int_acts(0)
+        assert not torch.equal(alone[0], alone[1])  # the tokens differ: the check could fail
+
+
 def test_two_level_tables_are_checked():
     from memwall.kernels.cpu.layout import LayoutError, PackedWeight, two_level_table
 

@@ -272,12 +272,12 @@ static inline __attribute__((always_inline)) void rows_tile_q4(
     store_sums(R, TM, acc, cr, xsum_t, xsum_m, ng, y, N);
 }
 
-/* One or two tokens: the rows come from DRAM and the kernel is bound by how many lines are in
- * flight, not by arithmetic. Row by row from start to end is one sequential stream per thread
- * (R rows in lockstep are R short streams the hardware prefetcher follows poorly), asked for
- * SEQ_PREFETCH bytes ahead; U blocks (pairs for q4) at a time in separate accumulators keep
- * the FMA chains apart. AMD EPYC Zen 3, 2 threads, q4 8960 x 1536 from DRAM: 13.6 GB/s of
- * codes against 9.6 GB/s for 4 rows in lockstep (a plain streaming read: 14.5). */
+/* Up to a tile of tokens (decode, a speculative verify): the rows come from DRAM and the kernel
+ * is bound by how many lines are in flight, not by arithmetic. Row by row from start to end is
+ * one sequential stream per thread (R rows in lockstep are R short streams the hardware
+ * prefetcher follows poorly), asked for SEQ_PREFETCH bytes ahead. AMD EPYC Zen 3, 2 threads,
+ * q4 8960 x 1536 from DRAM: 13.6 GB/s of codes against 9.6 GB/s for 4 rows in lockstep (a
+ * plain streaming read: 14.5). */
 #define SEQ_PREFETCH 1024
 #ifndef MW_SEQ_TM
 #define MW_SEQ_TM 8  /* tokens up to which rows go one at a time (one tile) */
@@ -314,17 +314,15 @@ static inline __attribute__((always_inline)) float table1(const int fmt, const v
     return f;
 }
 
-/* accumulator chains a token in the row_seq_*_tables kernels: acc[chain * TM + m], 8 at most */
-#define SEQ_CHAINS(TM) ((TM) == 1 ? 4 : (TM) == 2 ? 2 : 1)
-
-/* y[m * N] for the TM tokens of a row_seq_*_tables kernel: its accumulator chains, offset
- * vectors and scalar tails */
+/* y[m * N] for the TM tokens of a row_seq_*_tables kernel: its accumulators, offset vectors and
+ * scalar tails. One accumulator a token, for every batch size, so a token's result does not
+ * depend on what it was batched with (pipeline stages and the speculative verify batch
+ * differently from a plain decode); 4 chains for one token measured no faster from DRAM. */
 static inline __attribute__((always_inline)) void store_row_sums(
         const int TM, const __m256* acc, const __m256* off, const float* tail, float* y, int64_t N) {
     #pragma GCC unroll 8
     for (int m = 0; m < TM; m++) {
         __m256 t = _mm256_add_ps(off[m], acc[m]);
-        for (int j = 1; j < SEQ_CHAINS(TM); j++) t = _mm256_add_ps(t, acc[j * TM + m]);
         __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
         h = _mm_add_ps(h, _mm_movehl_ps(h, h));
         h = _mm_add_ss(h, _mm_movehdup_ps(h));
@@ -370,12 +368,11 @@ static inline __attribute__((always_inline)) void row_seq_q4_tables(
             const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 32 * p));
             const __m256 sv = _mm256_permutevar8x32_ps(
                 s8, _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1));
-            const int a = j % SEQ_CHAINS(TM);
             #pragma GCC unroll 8
             for (int m = 0; m < TM; m++) {
                 const __m256i d = pair_dot(v, acts + (p * TM + m) * 2 * QBLOCK);
                 const __m256 um = _mm256_load_ps(upair + (m * np + p) * 8);
-                acc[a * TM + m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sv, um), acc[a * TM + m]);
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sv, um), acc[m]);
             }
         }
     }
@@ -422,7 +419,6 @@ static inline __attribute__((always_inline)) void row_seq_q8_tables(
             const int64_t b = unit * per_run + j;
             const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + b * 32)));
             const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + b * 32 + 16)));
-            const int a = j % SEQ_CHAINS(TM);
             #pragma GCC unroll 8
             for (int m = 0; m < TM; m++) {
                 const __m256i* am = (const __m256i*)(acts + (b * TM + m) * QBLOCK);
@@ -432,12 +428,12 @@ static inline __attribute__((always_inline)) void row_seq_q8_tables(
                     const __m256 s1 = _mm256_permutevar8x32_ps(s8, _mm256_set1_epi32(2 * j + 1));
                     const __m256 d0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w0, _mm256_load_si256(am)));
                     const __m256 d1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w1, _mm256_load_si256(am + 1)));
-                    acc[a * TM + m] = _mm256_fmadd_ps(d0, _mm256_mul_ps(s0, um), acc[a * TM + m]);
-                    acc[a * TM + m] = _mm256_fmadd_ps(d1, _mm256_mul_ps(s1, um), acc[a * TM + m]);
+                    acc[m] = _mm256_fmadd_ps(d0, _mm256_mul_ps(s0, um), acc[m]);
+                    acc[m] = _mm256_fmadd_ps(d1, _mm256_mul_ps(s1, um), acc[m]);
                 } else {
                     const __m256 sv = _mm256_permutevar8x32_ps(s8, _mm256_set1_epi32(j));
                     const __m256i d = dot16(w0, _mm256_load_si256(am), w1, _mm256_load_si256(am + 1));
-                    acc[a * TM + m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sv, um), acc[a * TM + m]);
+                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sv, um), acc[m]);
                 }
             }
         }
