@@ -57,7 +57,8 @@ def _close(y: torch.Tensor, ref: torch.Tensor, tol: float = 1e-5) -> None:
 # kind, K, group: K past the L1 K-block (640 inputs for 16 tokens) and off the int8 kernels' 64
 WEIGHTS = [("q4", 32, 32), ("q4", 96, 32), ("q4", 1376, 32),  # odd block counts: one at a time
            ("q4", 64, 32), ("q4", 1344, 32),  # even: two blocks a load (int_gemm.c's pair layout)
-           ("q8", 16, 16), ("q8", 96, 32), ("q8", 144, 48), ("q8", 1312, 1312)]
+           ("q8", 16, 16), ("q8", 96, 32), ("q8", 144, 48), ("q8", 1312, 1312),
+           ("q8", 64, 32), ("q8", 1344, 32), ("q8", 1344, 16)]  # even: int_gemm.c's q8 pairs
 
 
 @pytest.mark.parametrize("kind, k, group", WEIGHTS)

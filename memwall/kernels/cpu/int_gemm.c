@@ -63,7 +63,8 @@ typedef struct {
     float* xsum_t;     /* tiles: [M / TILE_M rounded up][K / G][TILE_M]: exact sums of x over
                           each weight group, a tile's tokens side by side (zeros past M) */
     float* xsum_m;     /* the same sums token by token: [M][K / G] */
-    int pairs;         /* q4 blocks two at a time (rows_tile_q4): acts in the nibble order below */
+    int pairs;         /* blocks two at a time: PAIRS_Q4 (rows_tile_q4, the nibble order below) or
+                          PAIRS_Q8 (rows_tile_q8, the byte order below); 0: one block at a time */
     float* upair;      /* pairs only: [M][K / 64][8], u of blocks 2p and 2p + 1, four times each */
 } qacts;
 
@@ -76,6 +77,16 @@ typedef struct {
  * 2e+17 (3). 9 vector ops a block and token instead of 11 for one token (1.4-1.6x, AMD EPYC
  * Zen 3, in cache and from DRAM); the integer dot products are the same. */
 static inline int pair_source(int t, int e) { return 2 * e + (t & 1) * 16 + (t >> 1); }
+
+/* The q8 pair layout: vector t (0..3) of pair p holds values 8t .. 8t + 7 of block 2p in its low
+ * 128-bit lane and the same values of block 2p + 1 in its high lane, the order in which
+ * rows_tile_q8 widens two blocks of int8 codes (one 64-bit unpack and one widening a vector).
+ * Then one int32 vector of dot products covers two blocks, and the float work (convert, scale,
+ * FMA) is paid once a pair and token instead of once a block: 10 vector ops a pair and token
+ * where one block at a time took 16. */
+static inline int pair_source_q8(int t, int e) { return 8 * t + e; }
+
+enum { PAIRS_Q4 = 1, PAIRS_Q8 = 2 };
 
 static inline int64_t tile_rows(int64_t M, int64_t m0) { return M - m0 < TILE_M ? M - m0 : TILE_M; }
 
@@ -114,7 +125,8 @@ static int quantize_acts(const float* x, int64_t M, int64_t K, int64_t G, int pa
                 int16_t* q = tile + ((b / 2) * tm + (m - m0)) * 2 * QBLOCK + (b % 2) * 8;
                 for (int t = 0; t < 4; t++)
                     for (int e = 0; e < 8; e++)
-                        q[t * 16 + e] = (int16_t)nearbyintf(xb[pair_source(t, e)] * id);
+                        q[t * 16 + e] = (int16_t)nearbyintf(
+                            xb[pairs == PAIRS_Q4 ? pair_source(t, e) : pair_source_q8(t, e)] * id);
                 float* up = a->upair + (m * (nb / 2) + b / 2) * 8 + (b % 2) * 4;
                 for (int i = 0; i < 4; i++) up[i] = amax / 32767.f;
             } else {
@@ -464,6 +476,58 @@ static inline __attribute__((always_inline)) void row_seq_q8_tables(
     store_row_sums(TM, acc, off, tail, y, N);
 }
 
+/* rows_tile_q4 for q8 codes in the q8 pair layout (pair_source_q8), one row against the TM tokens
+ * of a tile (prefill): blocks 2p and 2p + 1 widened into four vectors [2p: 8t..8t+7 | 2p + 1:
+ * 8t..8t+7], their dot products in the two lanes of one vector. G = 32: one scale a block, one
+ * float FMA a pair; G = 16: values 0-15 and 16-31 of a block have their own scales, two. */
+static inline __attribute__((always_inline)) void rows_tile_q8(
+        const int TM, const int split, const uint8_t* q, const float* sr, const float* cr,
+        const int16_t* tile, const float* upair, const float* xsum_t, const float* xsum_m,
+        int64_t nb, int64_t ng, float* y, int64_t N) {
+    __m256 acc[8];
+    #pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    const int64_t np = nb / 2;
+    for (int64_t p = 0; p < np; p++) {
+        const uint8_t* qp = q + 64 * p;
+        const __m128i a0 = _mm_loadu_si128((const __m128i*)qp), a1 = _mm_loadu_si128((const __m128i*)(qp + 16));
+        const __m128i b0 = _mm_loadu_si128((const __m128i*)(qp + 32)), b1 = _mm_loadu_si128((const __m128i*)(qp + 48));
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi64(a0, b0));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi64(a0, b0));
+        const __m256i w2 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi64(a1, b1));
+        const __m256i w3 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi64(a1, b1));
+        /* G = 32: [s of 2p x4 | s of 2p + 1 x4]; G = 16: the first halves' scales, then the seconds' */
+        const float* s = sr + (split ? 4 * p : 2 * p);
+        const __m256 s_lo = _mm256_set_m128(_mm_broadcast_ss(s + (split ? 2 : 1)), _mm_broadcast_ss(s));
+        const __m256 s_hi = split ? _mm256_set_m128(_mm_broadcast_ss(s + 3), _mm_broadcast_ss(s + 1)) : s_lo;
+        #pragma GCC unroll 8
+        for (int m = 0; m < TM; m++) {
+            const __m256i* am = (const __m256i*)(tile + (p * TM + m) * 2 * QBLOCK);
+            const __m256 um = _mm256_load_ps(upair + (m * np + p) * 8);
+            const __m256i d_lo = dot16(w0, _mm256_load_si256(am), w1, _mm256_load_si256(am + 1));
+            const __m256i d_hi = dot16(w2, _mm256_load_si256(am + 2), w3, _mm256_load_si256(am + 3));
+            if (split) {
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d_lo), _mm256_mul_ps(s_lo, um), acc[m]);
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d_hi), _mm256_mul_ps(s_hi, um), acc[m]);
+            } else {
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(d_lo, d_hi)),
+                                         _mm256_mul_ps(s_lo, um), acc[m]);
+            }
+        }
+    }
+    store_sums(1, TM, acc, cr, xsum_t, xsum_m, ng, y, N);
+}
+
+/* rows_tile_q8 for rows [n0, n1) */
+static inline __attribute__((always_inline)) void rows_for_tile_q8(
+        const int TM, const int split, const uint8_t* codes, int64_t row_bytes, const float* s,
+        const float* c, const int16_t* tile, const float* upair, const float* xsum_t,
+        const float* xsum_m, int64_t nb, int64_t ng, float* y, int64_t N, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++)
+        rows_tile_q8(TM, split, codes + n * row_bytes, s + n * ng, c + n * ng, tile, upair, xsum_t,
+                     xsum_m, nb, ng, y + n, N);
+}
+
 /* rows a row kernel takes at once against TM tokens: 4 for one or two tokens (8 rows for one
  * token measured no faster), 2 for three or four, else 1 (R * TM <= 8 accumulators) */
 static inline __attribute__((always_inline)) int row_group(const int TM) { return TM <= 2 ? 4 : TM <= 4 ? 2 : 1; }
@@ -526,7 +590,9 @@ static void rows_all_tokens(int is_q4, const qacts* a, const uint8_t* codes, con
         float* yt = y + m0 * N;
 #if defined(MW_INT_AVX2)
         const float* upair = a->pairs ? a->upair + m0 * (nb / 2) * 8 : NULL;
-        if (a->pairs) switch (tm) { TM_CASES(rows_for_tile_q4, codes, row_bytes, s, c, tile, upair, xsum_t, xsum_m, nb, ng, yt, N, n0, n1) }
+        if (a->pairs == PAIRS_Q4) switch (tm) { TM_CASES(rows_for_tile_q4, codes, row_bytes, s, c, tile, upair, xsum_t, xsum_m, nb, ng, yt, N, n0, n1) }
+        else if (a->pairs == PAIRS_Q8 && G == 16) switch (tm) { TM_CASES(rows_for_tile_q8, 1, codes, row_bytes, s, c, tile, upair, xsum_t, xsum_m, nb, ng, yt, N, n0, n1) }
+        else if (a->pairs == PAIRS_Q8) switch (tm) { TM_CASES(rows_for_tile_q8, 0, codes, row_bytes, s, c, tile, upair, xsum_t, xsum_m, nb, ng, yt, N, n0, n1) }
         else if (is_q4) switch (tm) { TM_CASES(rows_for_tile, 1, codes, row_bytes, s, c, G, tile, u, xsum_t, xsum_m, nb, ng, yt, N, n0, n1) }
         else switch (tm) { TM_CASES(rows_for_tile, 0, codes, row_bytes, s, c, G, tile, u, xsum_t, xsum_m, nb, ng, yt, N, n0, n1) }
 #else
@@ -562,13 +628,17 @@ static int int_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G,
         return 0;
     qacts a;
 #if defined(MW_INT_AVX2)
-    const int pairs = is_q4 && (K / QBLOCK) % 2 == 0;
+    /* up to a tile of q8 tokens go row by row in the natural order (row_seq_q8_tables); more
+       take q8 pairs where the group is 16 or 32 */
+    const int q8_rows = M <= MW_SEQ_TM && (G == 16 || G == QBLOCK) &&
+                        (half < 2 || ((half == 8 || half == 16) && (K / G) % half == 0));
+    const int pairs = (K / QBLOCK) % 2 ? 0 : is_q4 ? PAIRS_Q4 : !q8_rows && (G == 16 || G == QBLOCK) ? PAIRS_Q8 : 0;
 #else
     const int pairs = 0;  /* the plain C rows read the natural order */
 #endif
     if (!quantize_acts(x, M, K, G, pairs, &a)) return 0;
 #if defined(MW_INT_AVX2)
-    if (pairs && M <= MW_SEQ_TM && (half == 0 || half == 1 || (half == 8 && K % 256 == 0))) {
+    if (pairs == PAIRS_Q4 && M <= MW_SEQ_TM && (half == 0 || half == 1 || (half == 8 && K % 256 == 0))) {
         /* one or two tokens: row by row, the tables read in place (row_seq_q4_tables) */
         const int64_t nb = K / QBLOCK;
         const int64_t table_row = half == 0 ? nb * 4 : half == 1 ? nb * 2 : nb / 8 * 12;  /* bytes */
@@ -586,7 +656,7 @@ static int int_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G,
         free_acts(&a);
         return 1;
     }
-    if (!is_q4 && M <= MW_SEQ_TM && (G == 16 || G == QBLOCK) && (half < 2 || ((half == 8 || half == 16) && (K / G) % half == 0))) {
+    if (!is_q4 && q8_rows) {
         /* the same for q8 codes (a run of 8 entries never straddles two superblocks) */
         const int64_t nb = K / QBLOCK, ng = K / G, split = G == 16;
         const int64_t table_row = half == 0 ? ng * 4 : half == 1 ? ng * 2 : ng / half * (4 + half);
