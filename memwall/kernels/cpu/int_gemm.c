@@ -310,11 +310,11 @@ static inline __attribute__((always_inline)) __m256 table8(const int fmt, const 
         return _mm256_loadu_ps(f);
 #endif
     }
-    const uint8_t* sb = (const uint8_t*)row + unit * 8 / fmt * (4 + fmt) + 4 + unit * 8 % fmt - 4;
+    const uint8_t* sb = (const uint8_t*)row + unit * 8 / fmt * (4 + fmt);  /* its superblock */
     float d;
     int64_t sub;
-    memcpy(&d, (const uint8_t*)row + unit * 8 / fmt * (4 + fmt), sizeof d);
-    memcpy(&sub, sb + 4, sizeof sub);
+    memcpy(&d, sb, sizeof d);
+    memcpy(&sub, sb + 4 + unit * 8 % fmt, sizeof sub);  /* the run's 8 sub-scales */
     return _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(sub))));
 }
 
@@ -354,9 +354,9 @@ static inline __attribute__((always_inline)) __m256i pair_dot(__m256i v, const i
               _mm256_srli_epi16(v, 12), _mm256_load_si256(am + 3)));
 }
 
-/* row_seq_q4 reading the row's scale and offset tables in place, 8 groups (4 pairs) at a time,
- * instead of widening them into float copies first (that pass cost 15% of a decode step on
- * Q4_K): a pair's [s of block 2p x4 | s of block 2p + 1 x4] is one permute of the run's 8,
+/* One q4 row (pair layout) against the tile's tokens, start to end, reading the row's scale and
+ * offset tables in place, 8 groups (4 pairs) at a time, instead of widening them into float
+ * copies first (that pass cost 15% of a decode step on Q4_K): a pair's [s of block 2p x4 | s of block 2p + 1 x4] is one permute of the run's 8,
  * and the offset term c * xsum one FMA a run. st, ct: this row's tables (fmt as table8);
  * acts, upair, xsum_m: the only tile (M <= TILE_M tokens); writes y[m * N], m < TM. */
 static inline __attribute__((always_inline)) void row_seq_q4_tables(
@@ -405,7 +405,7 @@ static inline __attribute__((always_inline)) void row_seq_q4_tables(
     store_row_sums(TM, acc, off, tail, y, N);
 }
 
-/* row_seq_q4_tables for q8 codes (32 signed bytes a block, a group of G = 32 values, or
+/* row_seq_q4_tables for q8 codes in the natural order (32 signed bytes a block, a group of G = 32 values, or
  * G = 16: a scale per half-block, then two FMAs a block; other groups take rows_tile). A run of 8 table entries covers 8
  * blocks (G = 32) or 4 (G = 16); a block's scale is a permute of the run's 8. u: the tile's
  * block scales [TM][nb]; xsum_m: [TM][ng]. */
