@@ -241,6 +241,24 @@ static inline __attribute__((always_inline)) void store_sums(
         for (int m = 0; m < TM; m++) y[m * N + r] = out[r * TM + m];
 }
 
+/* A q4 pair (32 bytes: blocks 2p and 2p + 1, one a lane) as four int16 vectors in the pair
+ * layout's order (see pair_source): masks and shifts inside the 16-bit lanes */
+static inline __attribute__((always_inline)) void unpack_q4_pair(__m256i v, __m256i* w) {
+    const __m256i low4 = _mm256_set1_epi16(15);
+    w[0] = _mm256_and_si256(v, low4);
+    w[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    w[2] = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);
+    w[3] = _mm256_srli_epi16(v, 12);
+}
+
+/* the pair's int32 dot products (block 2p in the low lane, 2p + 1 in the high) with one token's
+ * activations in the pair layout */
+static inline __attribute__((always_inline)) __m256i pair_dot(const __m256i* w, const int16_t* xp) {
+    const __m256i* am = (const __m256i*)xp;
+    return _mm256_add_epi32(dot16(w[0], _mm256_load_si256(am), w[1], _mm256_load_si256(am + 1)),
+                            dot16(w[2], _mm256_load_si256(am + 2), w[3], _mm256_load_si256(am + 3)));
+}
+
 /* rows_tile for q4 weights in the pair layout (see pair_source): blocks 2p and 2p + 1 of a row
  * in one 256-bit load, their int32 dot products in the two 128-bit lanes of one vector, scaled
  * by [s u of block 2p, four times | s u of block 2p + 1, four times]. upair: this tile's first
@@ -252,7 +270,6 @@ static inline __attribute__((always_inline)) void rows_tile_q4(
     __m256 acc[8];
     #pragma GCC unroll 8
     for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
-    const __m256i low4 = _mm256_set1_epi16(15);
     const int64_t np = nb / 2;
     for (int64_t p = 0; p < np; p++) {
         const int16_t* xp = tile + p * TM * 2 * QBLOCK;
@@ -262,19 +279,13 @@ static inline __attribute__((always_inline)) void rows_tile_q4(
             if (TM <= 2 && (p & 1) == 0)  /* few tokens: the rows stream from DRAM, and are short
                 (4-9 lines): ask for the same line of the next row group */
                 _mm_prefetch((const char*)(q + R * row_bytes + 32 * p), _MM_HINT_T0);
-            const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 32 * p));
-            const __m256i w0 = _mm256_and_si256(v, low4);
-            const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-            const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);
-            const __m256i w3 = _mm256_srli_epi16(v, 12);
+            __m256i w[4];
+            unpack_q4_pair(_mm256_loadu_si256((const __m256i*)(q + 32 * p)), w);
             const float* s = sr + r * ng + 2 * p;
             const __m256 sv = _mm256_set_m128(_mm_broadcast_ss(s + 1), _mm_broadcast_ss(s));
             #pragma GCC unroll 8
             for (int m = 0; m < TM; m++) {
-                const __m256i* am = (const __m256i*)(xp + m * 2 * QBLOCK);
-                const __m256i d = _mm256_add_epi32(
-                    dot16(w0, _mm256_load_si256(am), w1, _mm256_load_si256(am + 1)),
-                    dot16(w2, _mm256_load_si256(am + 2), w3, _mm256_load_si256(am + 3)));
+                const __m256i d = pair_dot(w, xp + m * 2 * QBLOCK);
                 const __m256 um = _mm256_load_ps(upair + (m * np + p) * 8);
                 acc[r * TM + m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sv, um),
                                                   acc[r * TM + m]);
@@ -320,10 +331,7 @@ static inline __attribute__((always_inline)) __m256 table8(const int fmt, const 
 
 /* one scale-table entry of a row as a float (the groups past the last run of 8; fmt 0 or 1) */
 static inline __attribute__((always_inline)) float table1(const int fmt, const void* row, int64_t i) {
-    float f;
-    if (fmt == 0) return ((const float*)row)[i];
-    mw_halves_to_floats((const uint16_t*)row + i, &f, 1);
-    return f;
+    return fmt == 0 ? ((const float*)row)[i] : mw_half_to_float(((const uint16_t*)row)[i]);
 }
 
 /* y[m * N] for the TM tokens of a row_seq_*_tables kernel: its accumulators, offset vectors and
@@ -334,30 +342,15 @@ static inline __attribute__((always_inline)) void store_row_sums(
         const int TM, const __m256* acc, const __m256* off, const float* tail, float* y, int64_t N) {
     #pragma GCC unroll 8
     for (int m = 0; m < TM; m++) {
-        __m256 t = _mm256_add_ps(off[m], acc[m]);
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        y[m * N] = _mm_cvtss_f32(h) + tail[m];
+        y[m * N] = mw_hsum256(_mm256_add_ps(off[m], acc[m])) + tail[m];
     }
-}
-
-/* a q4 pair's integer dot products (blocks 2p and 2p + 1 in the two lanes) with token m's
- * activations in the pair layout */
-static inline __attribute__((always_inline)) __m256i pair_dot(__m256i v, const int16_t* xp) {
-    const __m256i low4 = _mm256_set1_epi16(15);
-    const __m256i* am = (const __m256i*)xp;
-    return _mm256_add_epi32(
-        dot16(_mm256_and_si256(v, low4), _mm256_load_si256(am),
-              _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), _mm256_load_si256(am + 1)),
-        dot16(_mm256_and_si256(_mm256_srli_epi16(v, 8), low4), _mm256_load_si256(am + 2),
-              _mm256_srli_epi16(v, 12), _mm256_load_si256(am + 3)));
 }
 
 /* One q4 row (pair layout) against the tile's tokens, start to end, reading the row's scale and
  * offset tables in place, 8 groups (4 pairs) at a time, instead of widening them into float
- * copies first (that pass cost 15% of a decode step on Q4_K): a pair's [s of block 2p x4 | s of block 2p + 1 x4] is one permute of the run's 8,
- * and the offset term c * xsum one FMA a run. st, ct: this row's tables (fmt as table8);
+ * copies first (that pass cost 15% of a decode step on Q4_K): a pair's [s of block 2p x4 |
+ * s of block 2p + 1 x4] is one permute of the run's 8, and the offset term c * xsum one FMA
+ * a run. st, ct: this row's tables (fmt as table8);
  * acts, upair, xsum_m: the only tile (M <= TILE_M tokens); writes y[m * N], m < TM. */
 static inline __attribute__((always_inline)) void row_seq_q4_tables(
         const int TM, const int fmt, const uint8_t* q, const void* st, const void* ct,
@@ -377,12 +370,13 @@ static inline __attribute__((always_inline)) void row_seq_q4_tables(
         #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) {
             const int64_t p = unit * 4 + j;
-            const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 32 * p));
+            __m256i w[4];
+            unpack_q4_pair(_mm256_loadu_si256((const __m256i*)(q + 32 * p)), w);
             const __m256 sv = _mm256_permutevar8x32_ps(
                 s8, _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1));
             #pragma GCC unroll 8
             for (int m = 0; m < TM; m++) {
-                const __m256i d = pair_dot(v, acts + (p * TM + m) * 2 * QBLOCK);
+                const __m256i d = pair_dot(w, acts + (p * TM + m) * 2 * QBLOCK);
                 const __m256 um = _mm256_load_ps(upair + (m * np + p) * 8);
                 acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sv, um), acc[m]);
             }
@@ -390,13 +384,14 @@ static inline __attribute__((always_inline)) void row_seq_q4_tables(
     }
     float tail[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  /* offset terms of the groups past the last run of 8 */
     for (int64_t p = units * 4; p < np; p++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 32 * p));
+        __m256i w[4];
+        unpack_q4_pair(_mm256_loadu_si256((const __m256i*)(q + 32 * p)), w);
         const float s0 = table1(fmt, st, 2 * p), s1 = table1(fmt, st, 2 * p + 1);
         const float c0 = table1(fmt, ct, 2 * p), c1 = table1(fmt, ct, 2 * p + 1);
         const __m256 sv = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
         #pragma GCC unroll 8
         for (int m = 0; m < TM; m++) {
-            const __m256i d = pair_dot(v, acts + (p * TM + m) * 2 * QBLOCK);
+            const __m256i d = pair_dot(w, acts + (p * TM + m) * 2 * QBLOCK);
             const __m256 um = _mm256_load_ps(upair + (m * np + p) * 8);
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sv, um), acc[m]);
             tail[m] += c0 * xsum_m[m * nb + 2 * p] + c1 * xsum_m[m * nb + 2 * p + 1];
@@ -627,28 +622,30 @@ static int int_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G,
     if (!mw_int_acts || K <= 0 || K % QBLOCK || G <= 0 || K % G || !(G == 16 || G % QBLOCK == 0))
         return 0;
     qacts a;
+    const int64_t ng = K / G;
 #if defined(MW_INT_AVX2)
-    /* up to a tile of q8 tokens go row by row in the natural order (row_seq_q8_tables); more
-       take q8 pairs where the group is 16 or 32 */
-    const int q8_rows = M <= MW_SEQ_TM && (G == 16 || G == QBLOCK) &&
-                        (half < 2 || ((half == 8 || half == 16) && (K / G) % half == 0));
-    const int pairs = (K / QBLOCK) % 2 ? 0 : is_q4 ? PAIRS_Q4 : !q8_rows && (G == 16 || G == QBLOCK) ? PAIRS_Q8 : 0;
+    /* Up to a tile of tokens go row by row, the tables read in place (row_seq_*_tables), where
+       the group is 16 or 32 and a two-level table's superblocks hold whole runs of 8 entries:
+       q4 in the pair layout, q8 in the natural order. More q8 tokens take q8 pairs. */
+    const int seq_rows = M <= MW_SEQ_TM && (G == 16 || G == QBLOCK) &&
+                         (half < 2 || ((half == 8 || half == 16) && ng % half == 0));
+    const int pairs = (K / QBLOCK) % 2 ? 0 : is_q4 ? PAIRS_Q4 : !seq_rows && (G == 16 || G == QBLOCK) ? PAIRS_Q8 : 0;
 #else
     const int pairs = 0;  /* the plain C rows read the natural order */
 #endif
     if (!quantize_acts(x, M, K, G, pairs, &a)) return 0;
 #if defined(MW_INT_AVX2)
-    if (pairs == PAIRS_Q4 && M <= MW_SEQ_TM && (half == 0 || half == 1 || (half == 8 && K % 256 == 0))) {
-        /* one or two tokens: row by row, the tables read in place (row_seq_q4_tables) */
-        const int64_t nb = K / QBLOCK;
-        const int64_t table_row = half == 0 ? nb * 4 : half == 1 ? nb * 2 : nb / 8 * 12;  /* bytes */
+    const int64_t nb = K / QBLOCK;
+    const int64_t table_row = half == 0 ? ng * 4 : half == 1 ? ng * 2 : ng / half * (4 + half);  /* bytes */
+    if (pairs == PAIRS_Q4 && seq_rows) {
         #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < N; n++) {
             const uint8_t* q = (const uint8_t*)codes + n * (K / 2);
             const uint8_t *st = (const uint8_t*)s + n * table_row, *ct = (const uint8_t*)c + n * table_row;
 #define MW_ROW_SEQ(tm, fmt) row_seq_q4_tables(tm, fmt, q, st, ct, a.acts, a.upair, a.xsum_m, nb, y + n, N)
 #define MW_ROW_SEQ_FMT(tm, unused) \
-            if (half == 0) MW_ROW_SEQ(tm, 0); else if (half == 1) MW_ROW_SEQ(tm, 1); else MW_ROW_SEQ(tm, 8);
+            if (half == 0) MW_ROW_SEQ(tm, 0); else if (half == 1) MW_ROW_SEQ(tm, 1); \
+            else if (half == 8) MW_ROW_SEQ(tm, 8); else MW_ROW_SEQ(tm, 16);
             switch (M) { TM_CASES(MW_ROW_SEQ_FMT, 0) }
 #undef MW_ROW_SEQ_FMT
 #undef MW_ROW_SEQ
@@ -656,10 +653,8 @@ static int int_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G,
         free_acts(&a);
         return 1;
     }
-    if (!is_q4 && q8_rows) {
-        /* the same for q8 codes (a run of 8 entries never straddles two superblocks) */
-        const int64_t nb = K / QBLOCK, ng = K / G, split = G == 16;
-        const int64_t table_row = half == 0 ? ng * 4 : half == 1 ? ng * 2 : ng / half * (4 + half);
+    if (!is_q4 && seq_rows) {
+        const int split = G == 16;
         #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < N; n++) {
             const uint8_t* q = (const uint8_t*)codes + n * K;
@@ -680,7 +675,7 @@ static int int_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G,
 #endif
     /* threads take runs of 8 rows (whole row groups of rows_for_tile); fp16 scales of a run
        are widened first, and the run is then addressed from its first row */
-    const int64_t chunks = (N + 7) / 8, ng = K / G, row_bytes = is_q4 ? K / 2 : K;
+    const int64_t chunks = (N + 7) / 8, row_bytes = is_q4 ? K / 2 : K;
     #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < chunks; i++) {
         const int64_t n0 = i * 8, rows = (i + 1) * 8 < N ? 8 : N - n0;

@@ -263,6 +263,16 @@ static inline mw_f32_tables mw_tables_f32(const void* s, const void* c, int64_t 
 
 static inline void mw_free_tables(mw_f32_tables* t) { free(t->own_s); free(t->own_c); }
 
+#if defined(__AVX2__)
+/* the sum of v's 8 lanes (halves, then pairs, then the last two) */
+static inline float mw_hsum256(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+#endif
+
 static inline float dot_f32(const float* a, const float* b, int64_t n) {
     int64_t i = 0;
     float sum = 0.f;
@@ -281,11 +291,7 @@ static inline float dot_f32(const float* a, const float* b, int64_t n) {
         acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
         acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
     }
-    __m256 acc = _mm256_add_ps(acc0, acc1);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    sum = _mm_cvtss_f32(h);
+    sum = mw_hsum256(_mm256_add_ps(acc0, acc1));
 #endif
     for (; i < n; i++) sum += a[i] * b[i];
     return sum;

@@ -35,12 +35,6 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define HAVE_AVX2 1
-static inline float hsum(__m256 v) {
-    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-    a = _mm_add_ss(a, _mm_movehdup_ps(a));
-    return _mm_cvtss_f32(a);
-}
 #endif
 #define MAXM MW_MAX_ROWS
 
@@ -247,7 +241,7 @@ static void q4_gemm_exact(const float* x, int64_t M, int64_t K, const uint8_t* c
                 }
             }
             for (int64_t m = 0; m < M; m++)
-                ADD_Y(m, hsum(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]),
+                ADD_Y(m, mw_hsum256(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]),
                                             _mm256_add_ps(acc[m][2], acc[m][3]))));
 #else
             float acc[MAXM] = {0};
@@ -346,7 +340,7 @@ static void q8_gemm_exact(const float* x, int64_t M, int64_t K, int64_t G, const
                     }
                 }
             }
-            for (int64_t m = 0; m < M; m++) ADD_Y(m, hsum(_mm256_add_ps(acc[m][0], acc[m][1])));
+            for (int64_t m = 0; m < M; m++) ADD_Y(m, mw_hsum256(_mm256_add_ps(acc[m][0], acc[m][1])));
 #else
             float acc[MAXM] = {0};
             for (int64_t k = g0 * G; k < g1 * G; k++) {
