@@ -8,6 +8,10 @@
 integer-activation kernels (int_gemm.c, forced on at every batch size, so the perplexity windows
 use them too) against the exact fp32 kernels: the cost of quantizing activations alone.
 
+``--reference int16`` compares int8_tiles.c's int8 prefill activations (the default on K-quants;
+with ``MEMWALL_INT8_TILES=all`` Q4_0/Q4_1 too) against int16 activations at every size, both
+sides otherwise the same.
+
 ``--kv-cache-dtype`` (issue 14) compares KV cache formats instead: both sides keep the GGUF
 weights quantized ("auto"), the tested side stores K/V in the given format (memwall/attention/
 kv_quant.py), the reference in fp32; the perplexity windows write and read the same formats.
@@ -28,9 +32,9 @@ In the report "auto" is then the tested format and "none" the fp32-KV reference.
    window's first token becomes BOS, one prefill per window gives full-sequence logits, and the
    second half of each window is scored. llama-perplexity runs on the same text file as a third
    reference (its "Final estimate"). The issue asks for <= 1% between the two memwall paths.
-   Expect them to be equal: a window is one prefill of ``--ppl-ctx`` tokens, and quantized
-   matmuls over more than native.MAX_TOKENS tokens dequantize the weight exactly (bit-identical
-   to the float path's weights) and call F.linear; only small-batch matmuls (decode) differ.
+   A window is one prefill of ``--ppl-ctx`` tokens: K-quant and Q4_0/Q4_1 weights multiply it
+   with int8 activations (kernels/cpu/int8_tiles.c; ``MEMWALL_INT8_TILES=0`` for int16), other
+   formats past quant_ops.INT_ACTS_MAX_TOKENS dequantize the weight exactly and call F.linear.
 
 Writes benchmarks/results/quality-<time>.json with the CPU model.
 """
@@ -222,10 +226,12 @@ def main() -> None:
     parser.add_argument("--ppl-ctx", type=int, default=512)
     parser.add_argument("--ppl-chunks", type=int, default=8)
     parser.add_argument("--batch", action="store_true", help="submit all prompts at once")
-    parser.add_argument("--reference", choices=("float", "exact"), default="float",
+    parser.add_argument("--reference", choices=("float", "exact", "int16"), default="float",
                         help="float: quantized weights (auto) against all-float weights (none); "
                              "exact: both quantized, integer activations (every matmul, also "
-                             "the perplexity windows) against the exact fp32 kernels")
+                             "the perplexity windows) against the exact fp32 kernels; int16: "
+                             "both quantized, int8 prefill tiles (the default) against int16 "
+                             "activations at every size")
     parser.add_argument("--kv-cache-dtype", default=None,
                         help="compare this KV cache format against fp32 KV (same quantized "
                              "weights on both sides) instead of weight formats")
@@ -244,6 +250,8 @@ def main() -> None:
         llm = make_llm(model, weights, args.threads, kv.get(quantization, "auto"))
         if args.reference == "exact":  # "auto": integer activations at every size; "none": exact
             _use_int_acts(quantization == "auto")
+        elif args.reference == "int16":  # "auto": int8 prefill tiles; "none": int16 everywhere
+            _use_int8_tiles(quantization == "auto")
         if windows is None:
             corpus_text = build_corpus(llm.tokenizer, args.ppl_ctx * args.ppl_chunks)
             windows = window_ids(llm.tokenizer, corpus_text, args.ppl_ctx, args.ppl_chunks)
@@ -290,13 +298,26 @@ def main() -> None:
     print(f"wrote {path.relative_to(ROOT)}")
 
 
+_DEFAULT_INT_ACTS_MAX = 256  # quant_ops.INT_ACTS_MAX_TOKENS as shipped
+
+
 def _use_int_acts(on: bool) -> None:
     """Integer activations for every quantized matmul, however many tokens (the perplexity
     windows too), or the exact fp32 kernels everywhere."""
     from memwall.kernels.cpu import quant_ops
 
     quant_ops.set_int_acts(on)
-    quant_ops.INT_ACTS_MAX_TOKENS = 1 << 30 if on else 128
+    quant_ops.INT_ACTS_MAX_TOKENS = 1 << 30 if on else _DEFAULT_INT_ACTS_MAX
+
+
+def _use_int8_tiles(on: bool) -> None:
+    """Integer activations at every size, prefill on int8_tiles.c's formats with int8 (on) or
+    with int16 like everything else (off)."""
+    from memwall.kernels.cpu import quant_ops
+
+    _use_int_acts(True)
+    # MEMWALL_INT8_TILES=all: Q4_0/Q4_1 too (kernels/cpu/build.py)
+    quant_ops.set_int8_tiles(on, q4_float_tables=os.environ.get("MEMWALL_INT8_TILES") == "all")
 
 
 def _int_acts() -> str:
@@ -312,6 +333,8 @@ def print_table(report: dict) -> None:
               "fp32 KV (the same quantized weights on both sides)")
     elif report.get("reference") == "exact":
         print("reference: exact fp32 kernels; 'quantized' below = integer activations everywhere")
+    elif report.get("reference") == "int16":
+        print("reference: int16 activations everywhere; 'quantized' below = int8 prefill tiles")
     print(f"{report['cpu']}, {report['threads']} threads, {len(report['per_prompt'])} "
           f"{report['prompt_source']} prompts x {report['max_tokens']} greedy tokens "
           f"({'batched' if report['batched'] else 'one at a time'}; integer activations: "

@@ -21,7 +21,7 @@ Measured on a 2-core AMD EPYC (Zen 3, AVX2), SmolLM2-135M Q4_1, 16 streams of 12
 512: 170 tokens/s, 1.8 s, 80 ms; 256: 155, 1.4 s, 92 ms; 96: 153, 0.8 s, 98 ms (ITL p90 226 ms).
 A measured budget of 288 (a floor of half a second): 164 tokens/s, 1.3 s, 90 ms; 576 (a floor
 of one second, the default): 169 tokens/s, 2.0 s, 81 ms. Chunks below ~128 tokens lose the
-prefill's matmul efficiency (quant_ops.INT_ACTS_MAX_TOKENS: BLAS wins above it) and multiply the
+prefill's matmul efficiency (quant_ops.INT_ACTS_MAX_TOKENS was 128 then) and multiply the
 mixed steps; a chunk costs running decodes as much as it costs the prefill, so inter-token
 latency does not improve with smaller chunks here, only TTFT does. The one-second floor keeps
 most of the throughput and still cuts TTFT p50 to ~0.6x of one-step prefill.

@@ -22,6 +22,38 @@ def _both(layer: QuantLinear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return exact, layer(x)
 
 
+_set_int_acts = quant_ops.set_int_acts
+
+
+def _int16_acts(on: bool) -> None:
+    """set_int_acts with int8_tiles.c's prefill path off: the int16 kernels at every size"""
+    _set_int_acts(on)
+    quant_ops.set_int8_tiles(False)
+
+
+@pytest.fixture(autouse=True)
+def _int8_tiles_back_on():
+    yield
+    quant_ops.set_int8_tiles(True)
+
+
+def test_int8_tiles_take_prefill_batches_of_this_format_only_when_asked():
+    """This q4 format (float scales, Q4_0/Q4_1-like) stays on int16 past 16 tokens by default;
+    with ``q4_float_tables`` AVX2 builds multiply it with int8 activations (a scale per 32
+    values): llama.cpp's precision, ~1e-2 relative here, not int16's ~2e-5."""
+    g = torch.Generator().manual_seed(4)
+    layer = QuantLinear(NativeQ4().create_weights(torch.randn(32, 128, generator=g)))
+    x = torch.randn(40, 128, generator=g)
+    exact, fast = _both(layer, x)
+    assert 0 < _rel(fast, exact) < 1e-4
+    quant_ops.set_int8_tiles(True, q4_float_tables=True)
+    exact, fast = _both(layer, x)
+    if quant_ops.int_gemm_isa() == "c":
+        assert 0 < _rel(fast, exact) < 1e-4
+    else:
+        assert 1e-4 < _rel(fast, exact) < 3e-2
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
@@ -64,9 +96,11 @@ def test_exact_on_activations_the_integers_represent():
 
 
 @pytest.mark.parametrize("tokens", [2, 3, 8, 9, 16, 17, 31, 32, 128])
-def test_batches_take_the_integer_kernels_too(tokens):
+def test_batches_take_the_integer_kernels_too(tokens, monkeypatch):
     """Integer activations for every batch up to the limit, except where an AVX-512 build's
-    fp32 tiles take over (``tiles_from()``: 16 tokens a thread): those are exact."""
+    fp32 tiles take over (``tiles_from()``: 16 tokens a thread): those are exact. int16 here;
+    past 16 tokens AVX2 builds take int8 for this format (tests/kernels/test_int8_tiles.py)."""
+    monkeypatch.setattr(quant_ops, "set_int_acts", _int16_acts)
     g = torch.Generator().manual_seed(tokens)
     layer = QuantLinear(NativeQ4().create_weights(torch.randn(32, 128, generator=g)))
     x = torch.randn(tokens, 128, generator=g)
@@ -78,8 +112,10 @@ def test_batches_take_the_integer_kernels_too(tokens):
 
 
 def test_past_the_integer_batch_limit_the_exact_kernels_run(monkeypatch):
-    """Prefill-sized batches: dequantize + BLAS (or the AVX-512 tiles) beat the integer kernels;
-    where AMX's split bf16 is on (kernels/cpu/amx.py) it runs instead, to ~5e-6."""
+    """Prefill-sized batches: dequantize + BLAS (or the AVX-512 tiles) beat the int16 kernels;
+    where AMX's split bf16 is on (kernels/cpu/amx.py) it runs instead, to ~5e-6. (This q4
+    format takes int8 activations at every size on AVX2 unless they are switched off.)"""
+    monkeypatch.setattr(quant_ops, "set_int_acts", _int16_acts)
     g = torch.Generator().manual_seed(2)
     layer = QuantLinear(NativeQ4().create_weights(torch.randn(32, 128, generator=g)))
     x = torch.randn(quant_ops.INT_ACTS_MAX_TOKENS + 1, 128, generator=g)

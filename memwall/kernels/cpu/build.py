@@ -29,9 +29,10 @@ from pathlib import Path
 logger = logging.getLogger("memwall")
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("quant_gemm.c", "int_gemm.c", "int8_dot.c", "paged_attention.c", "decode.c",
-           "split_bf16.c", "shm_comm.c")
+SOURCES = ("quant_gemm.c", "int_gemm.c", "int8_dot.c", "int8_tiles.c", "paged_attention.c",
+           "decode.c", "split_bf16.c", "shm_comm.c")
 HEADERS = ("kernels.h",)
+INT8_TILES_MODES = {"0": 0, "1": 1, "all": 2}  # MEMWALL_INT8_TILES -> mw_set_int8_tiles
 # -ffp-contract=off: a weight s * q + c is rounded as the reference dequantizer rounds it.
 # -Bsymbolic: calls between the files stay inside one build when tests load several.
 FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11",
@@ -137,6 +138,9 @@ def library(isa: str = "native") -> ctypes.CDLL:
     _declare(cdll)
     # MEMWALL_INT_ACTS=0 keeps one-token matmuls on the exact fp32 kernels
     cdll.mw_set_int_acts(int(os.environ.get("MEMWALL_INT_ACTS", "1") != "0"))
+    # MEMWALL_INT8_TILES=0 keeps prefill on K-quants on int16 activations (int_gemm.c); =all
+    # also sends Q4_0/Q4_1 prefill to int8 (off by default: see int8_tiles.c)
+    cdll.mw_set_int8_tiles(INT8_TILES_MODES.get(os.environ.get("MEMWALL_INT8_TILES", "1"), 1))
     return cdll
 
 
@@ -195,6 +199,11 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "mw_q4_gemm_i16": (i32, [p, i64, i64, p, p, p, p, i64, i32]),
         "mw_q8_gemm_i16": (i32, [p, i64, i64, i64, p, p, p, p, i64, i32]),
         "mw_int8_dot_available": (i32, []),
+        "mw_set_int8_tiles": (None, [i32]),
+        "mw_int8_tiles_on": (i32, []),
+        "mw_int8_tiles_fit": (i32, [i32, i64, i64, i32]),
+        "mw_q4_gemm_i8t": (i32, [p, i64, i64, p, p, p, p, i64, i32]),
+        "mw_q8_gemm_i8t": (i32, [p, i64, i64, i64, p, p, p, p, i64, i32]),
         "mw_paged_decode_attention": (i32, [p, p, p, p, i64, p, i64, i64, i64, i64, i64, i64,
                                             f32, p]),
         "mw_paged_decode_attention_kv": (i32, [p, p, p, p, p, i32, p, i64, p, i64, i64, i64,

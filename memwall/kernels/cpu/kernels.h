@@ -7,6 +7,7 @@
  *                        (AVX2 vpmaddwd, AVX-512 VNNI vpdpwssd, plain C)
  *     int8_dot.c         q4/q8 matmuls of 1..MW_I8_MAX_ROWS tokens with int8-digit
  *                        activations (AVX512-VNNI)
+ *     int8_tiles.c       prefill matmuls on K-quant weights with int8 activations (AVX2)
  *     paged_attention.c  decode attention over paged KV blocks, read where they lie
  *     decode.c           the fused decode step: all layers of a Llama-family model in one call
  *     split_bf16.c       hi + lo bf16 operands for split-bf16 (AMX) prefill matmuls (amx.py)
@@ -70,6 +71,17 @@ int mw_int_gemm_isa(void);  /* 3 VNNI, 2 AVX2, 1 plain C */
 int mw_q4_gemm_i16(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s,
                    const void* c, float* y, int64_t N, int half);
 int mw_q8_gemm_i16(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
+                   const void* s, const void* c, float* y, int64_t N, int half);
+
+/* int8_tiles.c: more than MW_I8T_MIN_TOKENS tokens (prefill; decode batches stay on the
+ * int16 / int8-digit kernels) on two-level tables with 256-value superblocks; 0 when it cannot */
+#define MW_I8T_MIN_TOKENS MW_MAX_ROWS
+void mw_set_int8_tiles(int mode);  /* 0 off, 1 K-quants (default), 2 also Q4_0 / Q4_1 */
+int mw_int8_tiles_on(void);
+int mw_int8_tiles_fit(int is_q4, int64_t K, int64_t G, int half);
+int mw_q4_gemm_i8t(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s,
+                   const void* c, float* y, int64_t N, int half);
+int mw_q8_gemm_i8t(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
                    const void* s, const void* c, float* y, int64_t N, int half);
 
 /* int8_dot.c: one token; 0 when it cannot (no VNNI, switched off, a shape it does not take) */

@@ -388,12 +388,14 @@ static int gemm_tiles(int is_q4, const float* x, int64_t M, int64_t K, int64_t G
 
 /* y[m, n] = sum_k x[m, k] * (s[n, k/32] * q[n, k] + c[n, k/32]), through the fastest path
    that takes the shape (VNNI int8 digits for up to MW_I8_MAX_ROWS tokens, each row as the
-   one-token gemv computes it; fp32 tiles; int16 activations; exact kernel) */
+   one-token gemv computes it; int8 activations for prefill on K-quants; fp32 tiles; int16
+   activations; exact kernel) */
 void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s,
              const void* c, float* y, int64_t N, int half) {
     if (nothing_to_do(M, K, y, N)) return;
     if (M == 1 && mw_q4_gemv_i8(x, K, codes, s, c, y, N, half)) return;  /* AVX-512 VNNI gemv */
     if (M <= MW_I8_MAX_ROWS && mw_q4_gemm_i8(x, M, K, codes, s, c, y, N, half)) return;
+    if (mw_q4_gemm_i8t(x, M, K, codes, s, c, y, N, half)) return;  /* prefill, K-quants */
     if (tiles_pay(M) && q4_gemm_tiles(x, M, K, codes, s, c, y, N, half)) return;
     if (mw_q4_gemm_i16(x, M, K, codes, s, c, y, N, half)) return;        /* int16 activations */
     mw_f32_tables t = mw_tables_f32(s, c, N * (K / 32), half);
@@ -406,6 +408,7 @@ void q8_gemm(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* code
     if (nothing_to_do(M, K, y, N)) return;
     if (M == 1 && mw_q8_gemv_i8(x, K, G, codes, s, c, y, N, half)) return;
     if (M <= MW_I8_MAX_ROWS && mw_q8_gemm_i8(x, M, K, G, codes, s, c, y, N, half)) return;
+    if (mw_q8_gemm_i8t(x, M, K, G, codes, s, c, y, N, half)) return;
     if (tiles_pay(M) && q8_gemm_tiles(x, M, K, G, codes, s, c, y, N, half)) return;
     if (mw_q8_gemm_i16(x, M, K, G, codes, s, c, y, N, half)) return;
     mw_f32_tables t = mw_tables_f32(s, c, N * (K / G), half);

@@ -1,14 +1,20 @@
-"""The quantized matmuls of quant_gemm.c, int_gemm.c and int8_dot.c as torch functions, for weights in the
-q4/q8 layouts of layout.py: ``x`` float32 [M, K] (contiguous) -> ``y`` float32 [M, N].
+"""The quantized matmuls of quant_gemm.c, int_gemm.c, int8_dot.c and int8_tiles.c as torch
+functions, for weights in the q4/q8 layouts of layout.py: ``x`` float32 [M, K] (contiguous) ->
+``y`` float32 [M, N].
 
     M = 0            an empty [0, N], no C call (a prefill chunk that needs no logits)
     M = 1..8         on AVX512-VNNI: int8_dot.c's two int8 digits a value, each row as that
                      token alone gets it (batch-invariant: speculative verification reproduces
                      one-token decoding); elsewhere as below
-    M = 1..128       int16 activations (int_gemm.c: AVX2 vpmaddwd, AVX-512 VNNI vpdpwssd, plain
+    M = 1..256       int16 activations (int_gemm.c: AVX2 vpmaddwd, AVX-512 VNNI vpdpwssd, plain
                      C; AVX-512 builds: below ``tiles_from()``, 16 tokens a thread, from there
                      the exact fp32 tiles, which are faster) while ``set_int_acts(True)`` (the
                      default); else the exact fp32 row kernels
+    M > 16           K-quant weights (two-level tables: Q4_K, Q5_K, Q6_K; with
+                     ``set_int8_tiles(True, q4_float_tables=True)`` also Q4_0/Q4_1) on AVX2:
+                     int8_tiles.c, one int8 a value (a scale per 256 values, per 32 for float
+                     tables), at any size (but AMX's, below) while integer activations and
+                     ``set_int8_tiles`` are on
     M > 128          split bf16 on AMX (amx.py: three bf16 products, fp32 precision) where the
                      CPU has AMX and a probe measured it faster; else 16-token fp32 tiles, a tile
                      per thread (AVX-512 builds); elsewhere the weight is dequantized once and
@@ -31,14 +37,16 @@ from memwall.kernels.cpu.build import available
 from memwall.kernels.cpu.layout import check_input, check_packed, scale_format
 
 MAX_TOKENS = 16  # MW_MAX_ROWS in kernels.h: larger batches go in tiles of this many tokens
-# Up to this many tokens the integer kernels beat dequantize + BLAS; past it fp32 BLAS (near
-# the FMA peak on large batches) wins. Measured on a 2-core AMD EPYC (Zen 3, AVX2), 2 threads,
-# q4 576x1536 / 1536x576 / 3072x576 (see benchmarks/int_gemm.py).
-INT_ACTS_MAX_TOKENS = 128
+# Up to this many tokens the int16 kernels beat dequantize + BLAS; past it fp32 BLAS (near the
+# FMA peak on large batches) wins on long rows. Measured on a 2-core AMD EPYC (Zen 3, AVX2), 2
+# threads, Q8_0-shaped q8 (fp16 scales) 4864x896 / 896x4864 / 896x896 / 128x896: at 144 tokens
+# int16 took 0.56-0.82x BLAS's time, at 256 0.65-1.06x (0.77x summed over the four), at 512
+# 0.80-1.32x. (int8_tiles.c's formats take the integer kernels at every size.)
+INT_ACTS_MAX_TOKENS = 256
 
 __all__ = ["INT_ACTS_MAX_TOKENS", "MAX_TOKENS", "available", "int8_dot_available", "int_acts_enabled",
-           "int_gemm_isa", "q4_dequantize", "q4_matmul",
-           "q8_dequantize", "q8_matmul", "set_int_acts"]
+           "int8_tiles_enabled", "int_gemm_isa", "q4_dequantize", "q4_matmul",
+           "q8_dequantize", "q8_matmul", "set_int8_tiles", "set_int_acts"]
 
 
 def _lib() -> ctypes.CDLL:
@@ -50,6 +58,17 @@ def set_int_acts(on: bool) -> None:
     value, a scale per 32: relative error ~2e-5; the default) or on the exact fp32 kernels (the
     reference for quality checks). Every CPU has the integer path (AVX2, VNNI or plain C)."""
     _lib().mw_set_int_acts(int(on))
+
+
+def set_int8_tiles(on: bool, q4_float_tables: bool = False) -> None:
+    """Prefill matmuls (more than 16 tokens) on K-quant weights with int8 activations (on: the
+    default; llama.cpp's precision) or with int_gemm.c's int16 ones; q4_float_tables: Q4_0/Q4_1
+    too (off by default: SmolLM2-135M Q4_1's greedy tokens agreed on 87.9% of positions)."""
+    _lib().mw_set_int8_tiles(2 if on and q4_float_tables else int(on))
+
+
+def int8_tiles_enabled() -> bool:
+    return available() and bool(_lib().mw_int8_tiles_on())
 
 
 def int_acts_enabled() -> bool:
@@ -84,9 +103,10 @@ def q8_matmul(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, c: torch.Te
 
 def _matmul(kind: str, x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor,
             c: torch.Tensor) -> torch.Tensor:
-    """Up to INT_ACTS_MAX_TOKENS: q4_gemm / q8_gemm, which run the integer kernels while on
-    (else the exact fp32 row kernels); more: split bf16 on AMX (amx.py) where it is faster and
-    integer activations are on, else the fp32 tiles (``tiles_matmul``)."""
+    """Past amx.MIN_TOKENS: split bf16 on AMX (amx.py) where it is faster and integer
+    activations are on. Else up to INT_ACTS_MAX_TOKENS, and at any size where int8_tiles.c takes
+    the weight's format (K-quants, Q4_0/Q4_1): q4_gemm / q8_gemm, which run the integer kernels
+    while on (else the exact fp32 row kernels); else the fp32 tiles (``tiles_matmul``)."""
     k = x.shape[-1]
     n, group = check_packed(kind, k, codes, s, c)
     check_input(x, k, f"{kind}_matmul")
@@ -95,16 +115,20 @@ def _matmul(kind: str, x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor,
         return torch.empty(m, n, dtype=torch.float32)
     lib = _lib()
     int_acts = bool(lib.mw_int_acts_on())
-    if m <= (INT_ACTS_MAX_TOKENS if int_acts else MAX_TOKENS):
+    fmt = scale_format(s)
+    if int_acts and amx.use_for(m):  # past amx.MIN_TOKENS, where the probe measured it faster
+        return amx.matmul(kind, x, codes, s, c)
+    small = m <= (INT_ACTS_MAX_TOKENS if int_acts else MAX_TOKENS)
+    # int8_tiles.c beat dequantize + BLAS at every prefill size measured (AMD EPYC Zen 3: 1.4-2.1x
+    # the int16 kernels, 0.4-0.7x BLAS's time at 512 tokens), so its formats skip the BLAS copy
+    if small or (int_acts and lib.mw_int8_tiles_fit(int(kind == "q4"), k, group, fmt)):
         y = torch.empty(m, n, dtype=torch.float32)
         gemm = lib.q4_gemm if kind == "q4" else lib.q8_gemm
         grouped = () if kind == "q4" else (group,)  # q4's blocks are always 32 wide
         # more than MAX_TOKENS only with integer activations
         gemm(x.data_ptr(), m, k, *grouped, codes.data_ptr(), s.data_ptr(), c.data_ptr(),
-             y.data_ptr(), n, scale_format(s))
+             y.data_ptr(), n, fmt)
         return y
-    if int_acts and amx.use_for(m):
-        return amx.matmul(kind, x, codes, s, c)
     return tiles_matmul(kind, x, codes, s, c)
 
 
