@@ -464,7 +464,9 @@ def test_two_level_scale_tables_give_the_float32_tables_results(isa, kind, group
     """GGUF's K-quants keep a float32 d per 256 values and an int8 sub-scale per group
     (layout.py two_level_table): every kernel widens an entry to d * sub in fp32, the very float
     a float32 table holds, so each path's result is bit-identical (one-token gemv, integer rows,
-    the pair layout at 6 superblocks = 48 blocks, AVX-512 tiles, exact kernels, dequantizers)."""
+    the pair layout at 6 superblocks = 48 blocks, AVX-512 tiles, exact kernels, dequantizers).
+    int8_tiles.c, which only two-level tables take past 16 tokens, is switched off here and
+    checked in test_int8_tiles.py."""
     from memwall.kernels.cpu.layout import PackedWeight, float_table, two_level_table
 
     lib = build.lib()
@@ -484,12 +486,14 @@ def test_two_level_scale_tables_give_the_float32_tables_results(isa, kind, group
     assert PackedWeight(kind, group, n, k, codes, s2, c2).scale_format == per_super
     matmul = quant_ops.q4_matmul if kind == "q4" else quant_ops.q8_matmul
     lib.mw_set_int_acts(int(int_acts))
+    lib.mw_set_int8_tiles(0)
     try:
         for m in HALF_TOKENS:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             assert torch.equal(matmul(x, codes, s2, c2), matmul(x, codes, s, c)), m
     finally:
         lib.mw_set_int_acts(0)
+        lib.mw_set_int8_tiles(1)
     dequantize = ((lambda a, b: quant_ops.q4_dequantize(codes, a, b, k)) if kind == "q4"
                   else (lambda a, b: quant_ops.q8_dequantize(codes, a, b)))
     assert torch.equal(dequantize(s2, c2), dequantize(s, c))

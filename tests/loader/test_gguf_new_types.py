@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFWriter, quants
 
-from memwall.kernels.cpu import quant_ops
+from memwall.kernels.cpu import build, quant_ops
 from memwall.kernels.cpu.layout import float_table, scale_format, table_groups
 from memwall.loader.gguf_loader import gguf_hf_config, iter_gguf_tensors, open_gguf
 from memwall.loader.gguf_weights import SUPPORTED_GGUF_TYPES, dequantize
@@ -126,14 +126,31 @@ def test_native_matmul_matches_reference(qtype, tokens, exact_kernels):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("tokens", [1, 17])
 def test_native_matmul_with_integer_activations(qtype, tokens):
-    """The default kernels round the activations (~2e-5 relative, tests/quant/test_int_acts.py);
-    these types' codes (0..3, -4..3, IQ4's levels up to -127) must not change that."""
+    """The default kernels round the activations (int16: ~2e-5 relative, tests/quant/
+    test_int_acts.py); these types' codes (0..3, -4..3, IQ4's levels up to -127) must not change
+    that. Past 16 tokens their two-level tables take int8 activations (kernels/cpu/int8_tiles.c,
+    ~1e-2): checked against the activations rounded the same way, then int16 with int8 off."""
     raw = random_blocks(qtype, ROWS, COLS, seed=7)
     w = dequantize(raw, qtype, (ROWS, COLS))
     layer = QuantLinear(repack(raw, qtype, (ROWS, COLS), backend="native"))
     x = torch.randn(tokens, COLS, generator=torch.Generator().manual_seed(1))
     quant_ops.set_int_acts(True)
-    assert rel_err(layer(x), F.linear(x, w)) < 1e-4
+    parts = layer.native_parts() if quant_ops.available() else None
+    weights = parts[0] if parts else None
+    int8 = bool(tokens > 16 and weights is not None and weights.kind != "f32"
+                and build.lib().mw_int8_tiles_fit(int(weights.kind == "q4"), COLS, weights.group,
+                                                  weights.scale_format))
+    if int8:  # one int8 a value, a scale per 256 values: the reference rounds x the same way
+        xs = x.view(tokens, -1, 256)
+        amax = xs.abs().amax(dim=2, keepdim=True)
+        xq = torch.round(xs * (127.0 / amax)) * (amax / 127.0)
+        assert rel_err(layer(x), F.linear(xq.view(tokens, COLS), w)) < 1e-5
+    assert rel_err(layer(x), F.linear(x, w)) < (2e-2 if int8 else 1e-4)
+    quant_ops.set_int8_tiles(False)
+    try:
+        assert rel_err(layer(x), F.linear(x, w)) < 1e-4
+    finally:
+        quant_ops.set_int8_tiles(True)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)

@@ -1,5 +1,5 @@
-/* memwall's prefill matmuls on K-quant weights with int8 activations (see kernels.h for the
- * other files).
+/* memwall's prefill matmuls with int8 activations: K-quant weights, and (opt-in) q4 weights
+ * with float scales (see kernels.h for the other files).
  *
  * Why: prefill is compute-bound, and int_gemm.c's int16 activations spend one vpmaddwd per 16
  * multiply-adds plus a float convert, scale and FMA per 64 values and token. GGUF's K-quants
@@ -16,11 +16,13 @@
  * int16 one ran 72-74 (K = 1536), and 100-107 against 55-56 at K = 8960.
  *
  * Precision: int8 activations round each value to 1/254 of its superblock's largest magnitude,
- * as llama.cpp's CPU backend does for every K-quant matmul. Only prefill takes this path (more
- * than MW_I8T_MIN_TOKENS tokens): decode and speculative verification (int_gemm.c's row-by-row
- * kernels, int8_dot.c) keep int16 / two-digit activations, whose greedy tokens track the exact
- * path. mw_set_int8_tiles(0), or integer activations off altogether, sends prefill back to
- * int_gemm.c.
+ * as llama.cpp's CPU backend does for every K-quant matmul. Only batches of more than
+ * MW_I8T_MIN_TOKENS tokens take this path (prefill chunks, and decode rows that share a step with
+ * one): decode batches and speculative verification (int_gemm.c's row-by-row kernels,
+ * int8_dot.c) keep int16 / two-digit activations, whose greedy tokens track the exact path.
+ * Qwen2.5-Coder-1.5B Q4_K_M's greedy tokens with int8 prefill equalled int16's at all 1,280
+ * positions measured (benchmarks/quality.py --reference int16). mw_set_int8_tiles(0), or integer
+ * activations off altogether, sends prefill back to int_gemm.c.
  *
  *   y[m, n] = sum_sb d_s[n, sb] * d_x[m, sb] * sum_{g in sb} sub_s[n, g] * dot(q[n, g], a[m, g])
  *           + sum_g c[n, g] * d_x[m, g] * sum_{k in g} a[m, k]
@@ -39,8 +41,9 @@
  * shift; q8 codes take one 128-bit permute per pair and row.
  *
  * Returns 0 (the caller then runs int_gemm.c) where the shape does not fit: not AVX2, switched
- * off, at most MW_I8T_MIN_TOKENS tokens, tables that are not two-level with 256-value
- * superblocks, K not a multiple of 256, or out of memory.
+ * off, at most MW_I8T_MIN_TOKENS tokens, two-level tables without 256-value superblocks or K not
+ * a multiple of 256, float tables that are not q4 or K not a multiple of 64 (or mode 1), or out
+ * of memory.
  */
 #include <math.h>
 #include <stdlib.h>
