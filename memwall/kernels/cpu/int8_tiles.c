@@ -189,17 +189,7 @@ static inline __attribute__((always_inline)) void finish_tile(
     const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
     const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
     __m256 out = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-    if (coff) {
-        __m256 off[4] = {out, _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        int64_t g = 0;
-        for (; g + 4 <= ng; g += 4)  /* four chains: one would wait on FMA latency ng times */
-            for (int i = 0; i < 4; i++)
-                off[i] = _mm256_fmadd_ps(_mm256_set1_ps(coff[g + i]),
-                                         _mm256_loadu_ps(xsum_t + (g + i) * TILE8), off[i]);
-        for (; g < ng; g++)
-            off[0] = _mm256_fmadd_ps(_mm256_set1_ps(coff[g]), _mm256_loadu_ps(xsum_t + g * TILE8), off[0]);
-        out = _mm256_add_ps(_mm256_add_ps(off[0], off[1]), _mm256_add_ps(off[2], off[3]));
-    }
+    if (coff) out = mw_add_offsets8(out, coff, xsum_t, ng);  /* TILE8 = 8 */
     float sums[TILE8];
     _mm256_storeu_ps(sums, out);
     #pragma GCC unroll 8

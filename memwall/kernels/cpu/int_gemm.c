@@ -221,15 +221,7 @@ static inline __attribute__((always_inline)) void store_sums(
     __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
     float out[8];
     if (R == 1) {  /* the offset term of all the tile's tokens at once: sum_g c[g] * xsum_t[g][:] */
-        __m256 off[4] = {sums, _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        int64_t g = 0;
-        for (; g + 4 <= ng; g += 4)  /* four chains: one would wait on FMA latency ng times */
-            for (int i = 0; i < 4; i++)
-                off[i] = _mm256_fmadd_ps(_mm256_set1_ps(cr[g + i]),
-                                         _mm256_loadu_ps(xsum_t + (g + i) * TILE_M), off[i]);
-        for (; g < ng; g++)
-            off[0] = _mm256_fmadd_ps(_mm256_set1_ps(cr[g]), _mm256_loadu_ps(xsum_t + g * TILE_M), off[0]);
-        _mm256_storeu_ps(out, _mm256_add_ps(_mm256_add_ps(off[0], off[1]), _mm256_add_ps(off[2], off[3])));
+        _mm256_storeu_ps(out, mw_add_offsets8(sums, cr, xsum_t, ng));  /* TILE_M = 8 */
     } else {  /* R rows x TM tokens: a dot each (independent, so they overlap) */
         _mm256_storeu_ps(out, sums);
         #pragma GCC unroll 8

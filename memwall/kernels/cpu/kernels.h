@@ -285,6 +285,22 @@ static inline float mw_hsum256(__m256 v) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* sums + the offset term of 8 tokens at once: sum_g c[g] * xsum_t[g * 8 .. g * 8 + 7] (a tile's
+ * group sums, its tokens side by side), four FMA chains (one would wait on FMA latency ng
+ * times); int_gemm.c's and int8_tiles.c's tile kernels end with it */
+static inline __m256 mw_add_offsets8(__m256 sums, const float* c, const float* xsum_t, int64_t ng) {
+    __m256 off[4] = {sums, _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t g = 0;
+    for (; g + 4 <= ng; g += 4)
+        for (int i = 0; i < 4; i++)
+            off[i] = _mm256_fmadd_ps(_mm256_set1_ps(c[g + i]), _mm256_loadu_ps(xsum_t + (g + i) * 8), off[i]);
+    for (; g < ng; g++)
+        off[0] = _mm256_fmadd_ps(_mm256_set1_ps(c[g]), _mm256_loadu_ps(xsum_t + g * 8), off[0]);
+    return _mm256_add_ps(_mm256_add_ps(off[0], off[1]), _mm256_add_ps(off[2], off[3]));
+}
+#endif
+
 static inline float dot_f32(const float* a, const float* b, int64_t n) {
     int64_t i = 0;
     float sum = 0.f;
