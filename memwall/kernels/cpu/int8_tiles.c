@@ -51,7 +51,7 @@
 
 #include "kernels.h"
 
-#define TILE8 8        /* tokens a row kernel holds accumulators for */
+#define TILE8 MW_TILE  /* tokens a row kernel holds accumulators for */
 #define SUPER 256      /* values per superblock: one activation scale, one weight d */
 #define QUAD 128       /* values per step of the float-table kernel: two pairs, four blocks */
 #define ROW_CHUNK 16   /* rows a thread takes at once: their codes stay in L2 across the tiles */
@@ -90,7 +90,6 @@ typedef struct {
                        (d * sum of the int8 values), a tile's tokens side by side (zeros past M) */
 } i8acts;
 
-static inline int64_t tile_tokens(int64_t M, int64_t m0) { return M - m0 < TILE8 ? M - m0 : TILE8; }
 
 /* 16 floats * id -> 16 int8 (round to nearest even, as cvtps does) */
 static inline __m128i round16(const float* x, __m256 id) {
@@ -132,7 +131,7 @@ static int quantize_i8(const float* x, int64_t M, int64_t K, int64_t G, int64_t 
     if (!a->acts || !a->dx || !a->xsum_t) { free_i8acts(a); return 0; }
     #pragma omp parallel for schedule(static)
     for (int64_t m = 0; m < M; m++) {
-        const int64_t m0 = m / TILE8 * TILE8, tm = tile_tokens(M, m0);
+        const int64_t m0 = m / TILE8 * TILE8, tm = mw_tile_rows(M, m0);
         int8_t* tile = a->acts + m0 * K;
         const float* xm = x + m * K;
         float* xsum = a->xsum_t + m0 * ng + (m - m0);  /* group g at xsum[g * TILE8] */
@@ -319,12 +318,6 @@ static inline __attribute__((always_inline)) void row_tile_i8_blocks(
     finish_tile(TM, acc, coff, xsum_t, ng, y, N);
 }
 
-#define I8_TM_CASES(fn, ...) \
-    case 1: fn(1, __VA_ARGS__); break; case 2: fn(2, __VA_ARGS__); break; \
-    case 3: fn(3, __VA_ARGS__); break; case 4: fn(4, __VA_ARGS__); break; \
-    case 5: fn(5, __VA_ARGS__); break; case 6: fn(6, __VA_ARGS__); break; \
-    case 7: fn(7, __VA_ARGS__); break; default: fn(8, __VA_ARGS__); break;
-
 /* whether a two-level table row's superblocks all have d == 0 (then every entry is 0) */
 static int table_row_zero(const uint8_t* row, int64_t nsb, int E) {
     for (int64_t sb = 0; sb < nsb; sb++) {
@@ -382,7 +375,7 @@ static int i8_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G, c
             }
         }
         for (int64_t m0 = 0; m0 < M; m0 += TILE8) {
-            const int64_t tm = tile_tokens(M, m0);
+            const int64_t tm = mw_tile_rows(M, m0);
             const int8_t* tile = a.acts + m0 * K;
             const float* dx = a.dx + m0 * dx_row;
             const float* xsum_t = a.xsum_t + m0 * ng;
@@ -395,13 +388,13 @@ static int i8_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G, c
 #define MW_ROW(tm, q4, e) row_tile_i8(tm, q4, e, q, st, co, tile, dx, nsb, xsum_t, ng, yt, N)
 #define MW_ROW_KIND(tm, unused) \
                     if (is_q4) MW_ROW(tm, 1, 8); else if (E == 8) MW_ROW(tm, 0, 8); else MW_ROW(tm, 0, 16);
-                    switch (tm) { I8_TM_CASES(MW_ROW_KIND, 0) }
+                    switch (tm) { MW_TM_CASES(MW_ROW_KIND, 0) }
 #undef MW_ROW_KIND
 #undef MW_ROW
                 } else {
                     const float* sr = sf + (n - n0) * ng;
 #define MW_ROW(tm, unused) row_tile_i8_blocks(tm, q, sr, co, tile, dx, npairs, xsum_t, ng, yt, N)
-                    switch (tm) { I8_TM_CASES(MW_ROW, 0) }
+                    switch (tm) { MW_TM_CASES(MW_ROW, 0) }
 #undef MW_ROW
                 }
             }

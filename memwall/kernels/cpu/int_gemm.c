@@ -29,7 +29,7 @@
 
 #include "kernels.h"
 
-#define TILE_M 8     /* tokens a row kernel holds accumulators for (16 ymm registers in AVX2) */
+#define TILE_M MW_TILE  /* tokens a row kernel holds accumulators for (16 ymm registers in AVX2) */
 #define QBLOCK 32    /* activation values per quantization block */
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -88,7 +88,6 @@ static inline int pair_source_q8(int t, int e) { return 8 * t + e; }
 
 enum { PAIRS_Q4 = 1, PAIRS_Q8 = 2 };
 
-static inline int64_t tile_rows(int64_t M, int64_t m0) { return M - m0 < TILE_M ? M - m0 : TILE_M; }
 
 /* x [M, K] float -> qacts. Returns 0 when out of memory. */
 static int quantize_acts(const float* x, int64_t M, int64_t K, int64_t G, int pairs, qacts* a) {
@@ -106,7 +105,7 @@ static int quantize_acts(const float* x, int64_t M, int64_t K, int64_t G, int pa
     }
     #pragma omp parallel for schedule(static) if (M * K >= 32768)
     for (int64_t m = 0; m < M; m++) {
-        const int64_t m0 = m / TILE_M * TILE_M, tm = tile_rows(M, m0);
+        const int64_t m0 = m / TILE_M * TILE_M, tm = mw_tile_rows(M, m0);
         int16_t* tile = a->acts + m0 * K;
         const float* xm = x + m * K;
         for (int64_t g = 0; g < ng; g++) {
@@ -550,11 +549,6 @@ static inline __attribute__((always_inline)) void rows_for_tile(
                   u, xsum_t, xsum_m, nb, ng, y + n, N);
 }
 
-#define TM_CASES(fn, ...) \
-    case 1: fn(1, __VA_ARGS__); break; case 2: fn(2, __VA_ARGS__); break; \
-    case 3: fn(3, __VA_ARGS__); break; case 4: fn(4, __VA_ARGS__); break; \
-    case 5: fn(5, __VA_ARGS__); break; case 6: fn(6, __VA_ARGS__); break; \
-    case 7: fn(7, __VA_ARGS__); break; default: fn(8, __VA_ARGS__); break;
 #endif
 
 /* the weight code at position j of 32-value block b of a row */
@@ -569,7 +563,7 @@ static void rows_all_tokens(int is_q4, const qacts* a, const uint8_t* codes, con
     const int64_t K = a->K, G = a->G, nb = K / QBLOCK, ng = K / G;
     const int64_t row_bytes = is_q4 ? K / 2 : K;
     for (int64_t m0 = 0; m0 < a->M; m0 += TILE_M) {
-        const int64_t tm = tile_rows(a->M, m0);
+        const int64_t tm = mw_tile_rows(a->M, m0);
         const int16_t* tile = a->acts + m0 * K;
         const float* u = a->u + m0 * nb;
         const float* xsum_t = a->xsum_t + m0 * ng;  /* this tile's [ng][TILE_M] */
@@ -577,11 +571,11 @@ static void rows_all_tokens(int is_q4, const qacts* a, const uint8_t* codes, con
         float* yt = y + m0 * N;
 #if defined(MW_INT_AVX2)
         const float* upair = a->pairs ? a->upair + m0 * (nb / 2) * 8 : NULL;
-        if (a->pairs == PAIRS_Q4) switch (tm) { TM_CASES(rows_for_tile_q4, codes, row_bytes, s, c, tile, upair, xsum_t, xsum_m, nb, ng, yt, N, n0, n1) }
-        else if (a->pairs == PAIRS_Q8 && G == 16) switch (tm) { TM_CASES(rows_for_tile_q8, 1, codes, row_bytes, s, c, tile, upair, xsum_t, xsum_m, nb, ng, yt, N, n0, n1) }
-        else if (a->pairs == PAIRS_Q8) switch (tm) { TM_CASES(rows_for_tile_q8, 0, codes, row_bytes, s, c, tile, upair, xsum_t, xsum_m, nb, ng, yt, N, n0, n1) }
-        else if (is_q4) switch (tm) { TM_CASES(rows_for_tile, 1, codes, row_bytes, s, c, G, tile, u, xsum_t, xsum_m, nb, ng, yt, N, n0, n1) }
-        else switch (tm) { TM_CASES(rows_for_tile, 0, codes, row_bytes, s, c, G, tile, u, xsum_t, xsum_m, nb, ng, yt, N, n0, n1) }
+        if (a->pairs == PAIRS_Q4) switch (tm) { MW_TM_CASES(rows_for_tile_q4, codes, row_bytes, s, c, tile, upair, xsum_t, xsum_m, nb, ng, yt, N, n0, n1) }
+        else if (a->pairs == PAIRS_Q8 && G == 16) switch (tm) { MW_TM_CASES(rows_for_tile_q8, 1, codes, row_bytes, s, c, tile, upair, xsum_t, xsum_m, nb, ng, yt, N, n0, n1) }
+        else if (a->pairs == PAIRS_Q8) switch (tm) { MW_TM_CASES(rows_for_tile_q8, 0, codes, row_bytes, s, c, tile, upair, xsum_t, xsum_m, nb, ng, yt, N, n0, n1) }
+        else if (is_q4) switch (tm) { MW_TM_CASES(rows_for_tile, 1, codes, row_bytes, s, c, G, tile, u, xsum_t, xsum_m, nb, ng, yt, N, n0, n1) }
+        else switch (tm) { MW_TM_CASES(rows_for_tile, 0, codes, row_bytes, s, c, G, tile, u, xsum_t, xsum_m, nb, ng, yt, N, n0, n1) }
 #else
         (void)xsum_t;
         for (int64_t n = n0; n < n1; n++) {
@@ -638,7 +632,7 @@ static int int_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G,
 #define MW_ROW_SEQ_FMT(tm, unused) \
             if (half == 0) MW_ROW_SEQ(tm, 0); else if (half == 1) MW_ROW_SEQ(tm, 1); \
             else if (half == 8) MW_ROW_SEQ(tm, 8); else MW_ROW_SEQ(tm, 16);
-            switch (M) { TM_CASES(MW_ROW_SEQ_FMT, 0) }
+            switch (M) { MW_TM_CASES(MW_ROW_SEQ_FMT, 0) }
 #undef MW_ROW_SEQ_FMT
 #undef MW_ROW_SEQ
         }
@@ -656,7 +650,7 @@ static int int_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G,
             if (half == 0) MW_ROW_SEQ(tm, 0, sp); else if (half == 1) MW_ROW_SEQ(tm, 1, sp); \
             else if (half == 8) MW_ROW_SEQ(tm, 8, sp); else MW_ROW_SEQ(tm, 16, sp);
 #define MW_ROW_SEQ_SPLIT(tm, unused) if (split) { MW_ROW_SEQ_FMT(tm, 1) } else { MW_ROW_SEQ_FMT(tm, 0) }
-            switch (M) { TM_CASES(MW_ROW_SEQ_SPLIT, 0) }
+            switch (M) { MW_TM_CASES(MW_ROW_SEQ_SPLIT, 0) }
 #undef MW_ROW_SEQ_SPLIT
 #undef MW_ROW_SEQ_FMT
 #undef MW_ROW_SEQ

@@ -32,6 +32,18 @@
 #endif
 
 #define MW_MAX_ROWS 16  /* tokens a q4/q8 row kernel takes at once; more go MW_MAX_ROWS at a time */
+#define MW_TILE 8       /* tokens int_gemm.c's and int8_tiles.c's tile kernels hold accumulators for */
+
+/* tokens in the tile that starts at token m0 of M: MW_TILE, or what is left */
+static inline int64_t mw_tile_rows(int64_t M, int64_t m0) { return M - m0 < MW_TILE ? M - m0 : MW_TILE; }
+
+/* switch cases 1..MW_TILE calling fn(TM, ...) with TM a compile-time constant (the tile
+ * kernels keep TM accumulators in registers); anything else takes MW_TILE */
+#define MW_TM_CASES(fn, ...) \
+    case 1: fn(1, __VA_ARGS__); break; case 2: fn(2, __VA_ARGS__); break; \
+    case 3: fn(3, __VA_ARGS__); break; case 4: fn(4, __VA_ARGS__); break; \
+    case 5: fn(5, __VA_ARGS__); break; case 6: fn(6, __VA_ARGS__); break; \
+    case 7: fn(7, __VA_ARGS__); break; default: fn(8, __VA_ARGS__); break;
 
 /* What the checked entry points return (Python turns each into an error that says which). */
 enum {
