@@ -10,9 +10,12 @@ Qwen2.5-Coder-0.5B-Instruct, Qwen2.5-Coder-1.5B-Instruct Q4_K_M):
   go to memwall (in process) and to llama-server (``/completion`` with token ids, temperature 0,
   ``--tokens`` tokens, EOS ignored on both); first tokens equal out of ``--prompts``, and the
   mean common prefix of the two outputs;
-- speed: memwall's decode (128 tokens after a 16-token prompt, median of 3) and 512-token
-  prefill (median of 3) in a pinned subprocess, against ``llama-bench -p 512 -n 128 -r 3`` on
-  the same cores;
+- speed: memwall's decode (128 tokens after a 16-token prompt) and 512-token prefill in a
+  pinned subprocess, against ``llama-bench -p 512 -n 128`` on the same cores, in alternating
+  rounds (``--rounds``, default 3: one memwall measurement, then one llama-bench run, ...; the
+  memwall process waits idle, its model loaded, while llama-bench runs), medians of the rounds.
+  Alternating keeps a VM's slow minutes from landing on one engine only (back-to-back blocks
+  of 3 runs each moved a ratio from 0.85x to 1.04x between two runs of this script);
 - load: seconds from start to the first token possible (memwall: ``LLM(...)``; llama.cpp:
   llama-server healthy), and peak RSS of each process, both with a 2048-token KV cache.
 
@@ -29,6 +32,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,7 +64,11 @@ PROMPTS = [
 
 
 # ---- memwall, in a pinned subprocess ---------------------------------------------------------
-def memwall_worker(spec: dict) -> dict:
+RESULT = "@@result "  # the worker's result lines (anything else on its stdout is ignored)
+
+
+def memwall_worker(spec: dict) -> None:
+    """Load the model, answer the agreement prompts, then one speed round per line on stdin."""
     start = time.perf_counter()
     from memwall import LLM, SamplingParams
 
@@ -75,34 +83,66 @@ def memwall_worker(spec: dict) -> dict:
     filler = " ".join(f"The memory wall limits token {i} of every model." for i in range(200))
     long_ids = tok.encode(filler)[:512]
     llm.generate([long_ids[:32]], SamplingParams(max_tokens=4, **greedy))  # warm-up
-    prefill, decode = [], []
-    for _ in range(3):
+    _emit({"load_s": load_s, "prompt_ids": prompts,
+           "outputs": [list(o.outputs[0].token_ids) for o in outs],
+           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+           "engine": llm.engine.describe()})
+    for _ in sys.stdin:  # a round: one 512-token prefill, one 128-token decode
         t = time.perf_counter()
         llm.generate([long_ids], SamplingParams(max_tokens=1, **greedy))
-        prefill.append(len(long_ids) / (time.perf_counter() - t))
+        prefill = len(long_ids) / (time.perf_counter() - t)
         engine = llm.engine
         engine.add_request("d", long_ids[:16], SamplingParams(max_tokens=129, **greedy))
         engine.step()  # prefill + first token
         t = time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()
-        decode.append(128 / (time.perf_counter() - t))
-    return {"load_s": load_s, "prompt_ids": prompts,
-            "outputs": [list(o.outputs[0].token_ids) for o in outs],
-            "prefill_tok_s": statistics.median(prefill), "decode_tok_s": statistics.median(decode),
-            "prefill_runs": prefill, "decode_runs": decode,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "engine": llm.engine.describe()}
+        _emit({"prefill_tok_s": prefill, "decode_tok_s": 128 / (time.perf_counter() - t)})
 
 
-def run_memwall(model: Path, threads: int, prompts: int, tokens: int) -> dict:
-    spec = json.dumps({"model": str(model), "threads": threads, "prompts": prompts, "tokens": tokens})
-    cmd = pin_prefix(threads) + [sys.executable, __file__, "--worker", spec]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": str(threads)})
-    if proc.returncode != 0:
-        raise RuntimeError(f"memwall worker failed: {proc.stderr.strip()[-600:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _emit(result: dict) -> None:
+    print(RESULT + json.dumps(result), flush=True)
+
+
+class MemwallWorker:
+    """The worker process: ``start()`` returns its load/agreement result, ``round()`` one speed
+    measurement; its stderr goes to a file so a chatty log cannot block it."""
+
+    def __init__(self, model: Path, threads: int, prompts: int, tokens: int) -> None:
+        spec = json.dumps({"model": str(model), "threads": threads, "prompts": prompts,
+                           "tokens": tokens})
+        self.cmd = pin_prefix(threads) + [sys.executable, __file__, "--worker", spec]
+        self.env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+
+    def __enter__(self) -> "MemwallWorker":
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, cwd=ROOT, env=self.env)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(RESULT):
+                return json.loads(line[len(RESULT):])
+        self.log.seek(0)
+        raise RuntimeError(f"memwall worker failed: {self.log.read().strip()[-600:]}")
+
+    def start(self) -> dict:
+        return self._read()
+
+    def round(self) -> dict:
+        self.proc.stdin.write("round\n")
+        self.proc.stdin.flush()
+        return self._read()
 
 
 # ---- llama.cpp -------------------------------------------------------------------------------
@@ -136,8 +176,9 @@ def _rss_mb(pid: int) -> float | None:
 
 
 def run_llama_bench(bin_dir: Path, model: Path, threads: int) -> dict:
+    """One llama-bench repetition (after its own warm-up run) of pp512 and tg128."""
     cmd = pin_prefix(threads) + [str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads),
-                                 "-p", "512", "-n", "128", "-r", "3", "-o", "json"]
+                                 "-p", "512", "-n", "128", "-r", "1", "-o", "json"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench failed: {proc.stderr.strip()[-400:]}")
@@ -166,11 +207,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating speed rounds (memwall, then llama-bench), medians")
     parser.add_argument("--llama-bin-dir", default=None)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(memwall_worker(json.loads(args.worker))))
+        memwall_worker(json.loads(args.worker))
         return
     bin_dir = find_llama_bin_dir(args.llama_bin_dir)
     rows = []
@@ -179,9 +222,20 @@ def main() -> None:
           f"{'prefill':>8} {'llama':>8} {'ratio':>6} {'load s':>7} {'llama':>6} {'RSS MB':>7} {'llama':>6}")
     for name in args.models.split(","):
         model = fetch(name)
-        ours = run_memwall(model, args.threads, args.prompts, args.tokens)
+        ours_runs, bench_runs = [], []
+        with MemwallWorker(model, args.threads, args.prompts, args.tokens) as worker:
+            ours = worker.start()
+            for _ in range(args.rounds):  # alternating: see the module docstring
+                ours_runs.append(worker.round())
+                bench_runs.append(run_llama_bench(bin_dir, model, args.threads))
         server = run_llama_server(bin_dir, model, args.threads, ours["prompt_ids"], args.tokens)
-        bench = run_llama_bench(bin_dir, model, args.threads)
+        for key in ("prefill_tok_s", "decode_tok_s"):
+            ours[key] = statistics.median(r[key] for r in ours_runs)
+            ours[key.replace("tok_s", "runs")] = [r[key] for r in ours_runs]
+        bench = {key: statistics.median(r[key] for r in bench_runs)
+                 for key in ("prefill_tok_s", "decode_tok_s")}
+        bench.update({key.replace("tok_s", "runs"): [r[key] for r in bench_runs]
+                      for key in ("prefill_tok_s", "decode_tok_s")})
         agree = agreement(ours["outputs"], server["outputs"])
         row = {"model": name, "file": MODELS[name].about, **agree,
                "memwall": {k: ours[k] for k in ("decode_tok_s", "prefill_tok_s", "decode_runs",
@@ -197,7 +251,7 @@ def main() -> None:
               f"{bench['prefill_tok_s']:>8.1f} {row['prefill_ratio']:>5.2f}x {ours['load_s']:>7.1f} "
               f"{server['load_s']:>6.1f} {ours['peak_rss_mb']:>7.0f} {rss:>6.0f}", flush=True)
     path = write_result("models", {"benchmark": "models", "cpu": cpu_model(), "threads": args.threads,
-                                   "tokens": args.tokens, "rows": rows})
+                                   "tokens": args.tokens, "rounds": args.rounds, "rows": rows})
     print(f"wrote {path.relative_to(ROOT)}")
 
 

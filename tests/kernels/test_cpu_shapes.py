@@ -83,9 +83,18 @@ INT_TOKENS = [0, 1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 33, 127, 128, 129]  # aroun
 def test_integer_activation_kernels_at_every_shape(isa, kind, k, group):
     """The integer-activation kernels (AVX2 vpmaddwd, VNNI vpdpwssd, plain C: one per build) at every
     batch size; shapes they do not take (K off the 32-value activation block, a q8 group of 48)
-    go back to the fp32 kernels."""
+    go back to the fp32 kernels. (int8_tiles.c's int8 prefill, which takes q8 float tables of
+    32-value groups past 16 tokens, is switched off here: tests/kernels/test_int8_tiles.py.)"""
     lib = build.lib()
     lib.mw_set_int_acts(1)
+    lib.mw_set_int8_tiles(0)
+    try:
+        _integer_activation_kernels(lib, kind, k, group)
+    finally:
+        lib.mw_set_int8_tiles(1)
+
+
+def _integer_activation_kernels(lib, kind: str, k: int, group: int) -> None:
     matmul = quant_ops.q4_matmul if kind == "q4" else quant_ops.q8_matmul
     g = torch.Generator().manual_seed(k + 1)
     for n in (1, 3, 37):

@@ -29,10 +29,18 @@ TOKENS = [17, 23, 24, 25, 40, 129]  # just past the limit, around 8-token tiles,
 # Q4_K, Q5_K (q8 codes, 32-value groups), Q6_K, then Q4_1 / Q4_0-like float tables (K off 256)
 KQUANTS = [("q4", 256, 32, 8), ("q4", 768, 32, 8), ("q8", 512, 32, 8), ("q8", 256, 16, 16),
            ("q8", 2304, 16, 16), ("q4", 128, 32, 1), ("q4", 640, 32, 1), ("q4", 1152, 32, 0),
-           ("q4", 576, 32, 1), ("q4", 64, 32, 0)]  # K % 128 = 64: a last half quad (SmolLM2's 576)
+           ("q4", 576, 32, 1), ("q4", 64, 32, 0),  # K % 128 = 64: a last half quad (SmolLM2's 576)
+           # q8 codes with float tables (Q8_0: signed, the sign trick; Q5_0 / Q5_1: spans of 32
+           # shifted to unsigned), K crossing whole quads and half quads (Gemma 3's 640)
+           ("q8", 640, 32, 1), ("q8", 576, 32, 1), ("q8", 1152, 32, 0),
+           ("q5_0", 640, 32, 1), ("q5_0", 896, 32, 1), ("q5_0", 576, 32, 0),
+           ("q5_1", 640, 32, 1), ("q5_1", 64, 32, 1), ("span64", 576, 32, 1)]
 
 
-ALL = 2  # mw_set_int8_tiles: K-quants and Q4_0/Q4_1 (1, the default: K-quants only)
+ALL = 2  # mw_set_int8_tiles: also Q4_0/Q4_1 (1, the default: K-quants and q8 float tables)
+# q8 codes that span at most 64 values: the kernel shifts them to unsigned (Q5_0, Q5_1, and the
+# widest span that still fits); "q8" is the full -128..127 (Q8_0's sign trick)
+CODE_SPANS = {"q5_0": (-16, 15), "q5_1": (0, 31), "span64": (-40, 23)}
 
 
 @pytest.fixture
@@ -66,6 +74,11 @@ def _kquant(kind: str, n: int, k: int, group: int, e: int, seed: int, zero_offse
         q[0, :32] = 15
         packed = q.view(n, k // 32, 2, 16).to(torch.uint8)
         codes = (packed[:, :, 0] | (packed[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    elif kind in CODE_SPANS:  # q8 codes of a narrow span, its ends included
+        lo, hi = CODE_SPANS[kind]
+        q = torch.randint(lo, hi + 1, (n, k), generator=g)
+        q[0, :64], q[-1, :64] = lo, hi
+        codes = q.to(torch.int8)
     else:
         q = torch.randint(-128, 128, (n, k), generator=g)
         q[0, :64], q[-1, :64] = -128, 127
@@ -91,7 +104,7 @@ def _reference(x: torch.Tensor, q: torch.Tensor, s, c, group: int) -> torch.Tens
 
 
 def _matmul(kind):
-    return quant_ops.q4_matmul if kind == "q4" else quant_ops.q8_matmul
+    return quant_ops.q4_matmul if kind == "q4" else quant_ops.q8_matmul  # CODE_SPANS: q8 codes
 
 
 @pytest.mark.parametrize("kind, k, group, e", KQUANTS)
@@ -118,16 +131,16 @@ def test_int8_tiles_equal_the_quantized_reference(isa, kind, k, group, e):
                 lib.mw_set_int8_tiles(ALL)
 
 
-@pytest.mark.parametrize("kind, k, group, e", KQUANTS[:3])
+@pytest.mark.parametrize("kind, k, group, e", KQUANTS[:4] + KQUANTS[13:14])
 def test_decode_batches_and_other_tables_stay_off_int8(isa, kind, k, group, e):
-    """At most MIN_TOKENS tokens, q8 weights with fp16 tables (Q8_0, Q5_0: int16 activations
-    measured as fast) or K off the superblock give exactly what int_gemm.c gives with the int8
-    tiles switched off."""
+    """At most MIN_TOKENS tokens, q8 weights with 16-value groups in float tables, or K off the
+    superblock give exactly what int_gemm.c gives with the int8 tiles switched off."""
     lib = build.lib()
     g = torch.Generator().manual_seed(7)
     codes, s, c, q = _kquant(kind, 20, k, group, e, seed=3)
-    half_s, half_c = float_table(s).half(), float_table(c).half()
-    cases = [(m, s, c) for m in (1, 8, 9, MIN_TOKENS)] + [(40, half_s, half_c)] * (kind == "q8")
+    cases = [(m, s, c) for m in (1, 8, 9, MIN_TOKENS)]
+    if kind == "q8" and e == 16:  # Q6_K's groups as float tables (a tensor-parallel cut's widening)
+        cases.append((40, float_table(s).half(), float_table(c).half()))
     for m, ss, cc in cases:
         x = torch.randn(m, k, generator=g)
         on = _matmul(kind)(x, codes, ss, cc)
@@ -135,17 +148,24 @@ def test_decode_batches_and_other_tables_stay_off_int8(isa, kind, k, group, e):
         off = _matmul(kind)(x, codes, ss, cc)
         lib.mw_set_int8_tiles(ALL)
         assert torch.equal(on, off), (m, ss.dtype)
-    assert not lib.mw_int8_tiles_fit(int(kind == "q4"), k + group, group, e)  # K off the superblock
+    if e >= 2:
+        assert not lib.mw_int8_tiles_fit(int(kind == "q4"), k + group, group, e)  # K off the superblock
     assert not lib.mw_int8_tiles_fit(1, 160, 32, 1)  # a float-table q4 K off whole pairs of blocks
+    assert not lib.mw_int8_tiles_fit(0, 160, 32, 1)  # the same for q8
+    assert not lib.mw_int8_tiles_fit(0, 512, 16, 1)  # float tables a half block
+    assert not lib.mw_int8_tiles_fit(0, 512, 512, 0)  # per-channel int8 (a float checkpoint's)
 
 
-def test_the_default_takes_k_quants_only(isa):
-    """Mode 1 (the default): two-level tables take int8, Q4_0/Q4_1 float tables stay int16."""
+def test_the_default_takes_k_quants_and_q8_only(isa):
+    """Mode 1 (the default): two-level tables and q8 codes with float tables a block (Q8_0,
+    Q5_0, Q5_1) take int8, Q4_0/Q4_1 float tables stay int16."""
     lib = build.lib()
     avx2 = lib.mw_int_gemm_isa() >= 2
     lib.mw_set_int8_tiles(1)
     assert bool(lib.mw_int8_tiles_fit(1, 512, 32, 8)) == avx2
     assert bool(lib.mw_int8_tiles_fit(0, 512, 16, 16)) == avx2
+    assert bool(lib.mw_int8_tiles_fit(0, 640, 32, 1)) == avx2
+    assert bool(lib.mw_int8_tiles_fit(0, 640, 32, 0)) == avx2
     assert not lib.mw_int8_tiles_fit(1, 512, 32, 1) and not lib.mw_int8_tiles_fit(1, 512, 32, 0)
     lib.mw_set_int8_tiles(ALL)
     assert bool(lib.mw_int8_tiles_fit(1, 512, 32, 1)) == avx2

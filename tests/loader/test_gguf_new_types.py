@@ -128,8 +128,9 @@ def test_native_matmul_matches_reference(qtype, tokens, exact_kernels):
 def test_native_matmul_with_integer_activations(qtype, tokens):
     """The default kernels round the activations (int16: ~2e-5 relative, tests/quant/
     test_int_acts.py); these types' codes (0..3, -4..3, IQ4's levels up to -127) must not change
-    that. Past 16 tokens their two-level tables take int8 activations (kernels/cpu/int8_tiles.c,
-    ~1e-2): checked against the activations rounded the same way, then int16 with int8 off."""
+    that. Past 16 tokens they take int8 activations (kernels/cpu/int8_tiles.c, ~1e-2; a scale
+    per 256 values for two-level tables, per 32 for float ones): checked against the activations
+    rounded the same way, then int16 with int8 off."""
     raw = random_blocks(qtype, ROWS, COLS, seed=7)
     w = dequantize(raw, qtype, (ROWS, COLS))
     layer = QuantLinear(repack(raw, qtype, (ROWS, COLS), backend="native"))
@@ -140,8 +141,8 @@ def test_native_matmul_with_integer_activations(qtype, tokens):
     int8 = bool(tokens > 16 and weights is not None and weights.kind != "f32"
                 and build.lib().mw_int8_tiles_fit(int(weights.kind == "q4"), COLS, weights.group,
                                                   weights.scale_format))
-    if int8:  # one int8 a value, a scale per 256 values: the reference rounds x the same way
-        xs = x.view(tokens, -1, 256)
+    if int8:  # one int8 a value, a scale per superblock or block: the reference rounds x so too
+        xs = x.view(tokens, -1, 256 if weights.scale_format >= 2 else 32)
         amax = xs.abs().amax(dim=2, keepdim=True)
         xq = torch.round(xs * (127.0 / amax)) * (amax / 127.0)
         assert rel_err(layer(x), F.linear(xq.view(tokens, COLS), w)) < 1e-5

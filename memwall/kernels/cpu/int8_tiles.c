@@ -1,5 +1,6 @@
-/* memwall's prefill matmuls with int8 activations: K-quant weights, and (opt-in) q4 weights
- * with float scales (see kernels.h for the other files).
+/* memwall's prefill matmuls with int8 activations: K-quant weights, q8 weights with a float
+ * scale a 32-value block (Q8_0, Q5_0, Q5_1), and (opt-in) q4 weights with float scales (see
+ * kernels.h for the other files).
  *
  * Why: prefill is compute-bound, and int_gemm.c's int16 activations spend one vpmaddwd per 16
  * multiply-adds plus a float convert, scale and FMA per 64 values and token. GGUF's K-quants
@@ -40,10 +41,19 @@
  * 16..31 of both. A q4 pair of code blocks unpacks to the same order with one mask and one
  * shift; q8 codes take one 128-bit permute per pair and row.
  *
+ * Float tables a block (Q8_0, Q5_0, Q5_1, and Q4_0 / Q4_1 when asked): activations take a scale
+ * a 32-value block (llama.cpp's Q8_0), and four blocks share one float convert, scale and FMA
+ * (row_tile_i8_blocks). Q5_0's codes (-16..15) shift into 0..31 for vpmaddubsw's unsigned side,
+ * the shift coming off in the offset term; on a 2-core AMD EPYC (Zen 3, 2 threads) Q5_0-shaped
+ * weights ran at 83-114 GFLOP/s against 66-100 with int16 activations and 37-80 for dequantize +
+ * BLAS (128 and 512 tokens, Gemma 3 270M's and Qwen2.5-0.5B's shapes); Gemma 3 270M's 512-token
+ * prefill went from 252-350 to 318-418 tokens/s. Q8_0's full-range codes take the sign trick
+ * and run about as fast as int16 (they are a few of those models' weights).
+ *
  * Returns 0 (the caller then runs int_gemm.c) where the shape does not fit: not AVX2, switched
  * off, at most MW_I8T_MIN_TOKENS tokens, two-level tables without 256-value superblocks or K not
- * a multiple of 256, float tables that are not q4 or K not a multiple of 64 (or mode 1), or out
- * of memory.
+ * a multiple of 256, float tables with groups other than 32 values or K not a multiple of 64,
+ * q4 float tables in mode 1, or out of memory.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -68,7 +78,8 @@ int mw_int8_tiles_on(void) { return mw_int8_tiles; }
 int mw_int8_tiles_fit(int is_q4, int64_t K, int64_t G, int half) {
 #if defined(__AVX2__) && defined(__FMA__)
     if (!mw_int8_tiles || !mw_int_acts || K <= 0) return 0;
-    if (half < 2) return mw_int8_tiles >= 2 && is_q4 && K % 64 == 0;  /* Q4_0 / Q4_1: whole pairs */
+    if (half < 2)  /* float tables a block: whole pairs; Q4_0 / Q4_1 when asked (see above) */
+        return K % 64 == 0 && G == 32 && (is_q4 ? mw_int8_tiles >= 2 : 1);
     if (K % SUPER) return 0;
     if (is_q4) return G == 32 && half == 8;
     return (G == 32 && half == 8) || (G == 16 && half == 16);
@@ -263,59 +274,120 @@ static inline __attribute__((always_inline)) void row_tile_i8(
     finish_tile(TM, acc, coff, xsum_t, ng, y, N);
 }
 
-/* One q4 row with float scales a block (Q4_0 / Q4_1: sf, the row's scales widened to float;
- * coff its offsets or NULL) against the TM tokens of a tile, activations with a scale a block
- * (dx: the tile's [tm][K / 128][8]). A quad of four blocks (two pairs) is one step: each pair's
- * int16 products reduce to int32 (four lanes a block), one vphaddd folds the two pairs into two
- * lanes a block, and one convert, multiply and FMA scale all four blocks: 12 vector ops per
- * 128 values and token, where int16 activations take 20. */
+/* How a row's codes meet the int8 activations in row_tile_i8_blocks: vpmaddubsw multiplies
+ * unsigned bytes by signed ones. q4 codes are 0..15; q8 codes whose row chunk spans at most 64
+ * values (Q5_0's -16..15, Q5_1's 0..31) are shifted by a constant into 0..63 and the shift comes
+ * off in the offset term (c - shift * s, against the quantized activations' group sums, so the
+ * algebra is exact); other q8 codes (Q8_0) take |w| times x with w's sign. */
+enum { CODES_Q4 = 0, CODES_Q8_SHIFTED = 1, CODES_Q8_SIGNED = 2 };
+
+/* pair p of a row's codes in the tile's activation order: values 0..15 of blocks 2p and 2p + 1
+ * in *lo, values 16..31 in *hi (CODES_Q8_SIGNED: as stored; the others unsigned) */
+static inline __attribute__((always_inline)) void pair_codes(
+        const int kind, const uint8_t* q, int64_t p, __m256i shift, __m256i* lo, __m256i* hi) {
+    if (kind == CODES_Q4) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 32 * p)), low4 = _mm256_set1_epi8(15);
+        *lo = _mm256_and_si256(v, low4);
+        *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        return;
+    }
+    const __m256i v0 = _mm256_loadu_si256((const __m256i*)(q + 64 * p));
+    const __m256i v1 = _mm256_loadu_si256((const __m256i*)(q + 64 * p + 32));
+    *lo = _mm256_permute2x128_si256(v0, v1, 0x20);
+    *hi = _mm256_permute2x128_si256(v0, v1, 0x31);
+    if (kind == CODES_Q8_SHIFTED) {
+        *lo = _mm256_add_epi8(*lo, shift);
+        *hi = _mm256_add_epi8(*hi, shift);
+    }
+}
+
+/* a pair's dot products with one token (am: its 64 activation bytes), as int32, four lanes a
+ * block: unsigned codes <= 63 keep every int16 sum <= 2 * 2 * 63 * 127 (no saturation); signed
+ * ones reduce each half to int32 first (a lane up to 2 * 128 * 127) */
+static inline __attribute__((always_inline)) __m256i pair_dot_i8(
+        const int kind, __m256i lo, __m256i hi, __m256i abs_lo, __m256i abs_hi, const __m256i* am) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (kind == CODES_Q8_SIGNED) {
+        const __m256i p_lo = _mm256_maddubs_epi16(abs_lo, _mm256_sign_epi8(_mm256_load_si256(am), lo));
+        const __m256i p_hi = _mm256_maddubs_epi16(abs_hi, _mm256_sign_epi8(_mm256_load_si256(am + 1), hi));
+        return _mm256_add_epi32(_mm256_madd_epi16(p_lo, ones), _mm256_madd_epi16(p_hi, ones));
+    }
+    const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_load_si256(am)),
+                                         _mm256_maddubs_epi16(hi, _mm256_load_si256(am + 1)));
+    return _mm256_madd_epi16(p16, ones);
+}
+
+/* One row with float scales a block (Q4_0 / Q4_1 q4 codes; Q5_0 / Q5_1 / Q8_0 q8 codes, kind as
+ * above; sf, the row's scales widened to float; coff its offsets or NULL) against the TM tokens
+ * of a tile, activations with a scale a block (dx: the tile's [tm][K / 128][8]). A quad of four
+ * blocks (two pairs) is one step: each pair's products reduce to int32 (four lanes a block), one
+ * vphaddd folds the two pairs into two lanes a block, and one convert, multiply and FMA scale
+ * all four blocks: 12 vector ops per 128 values and token for unsigned codes (20 with int16
+ * activations). */
 static inline __attribute__((always_inline)) void row_tile_i8_blocks(
-        const int TM, const uint8_t* q, const float* sf, const float* coff, const int8_t* tile,
-        const float* dx, int64_t npairs, const float* xsum_t, int64_t ng, float* y, int64_t N) {
+        const int TM, const int kind, const uint8_t* q, __m256i shift, const float* sf,
+        const float* coff, const int8_t* tile, const float* dx, int64_t npairs,
+        const float* xsum_t, int64_t ng, float* y, int64_t N) {
     const int64_t nq = npairs / 2, dx_row = (npairs + 1) / 2 * 8;
     __m256 acc[TILE8];
     #pragma GCC unroll 8
     for (int m = 0; m < TILE8; m++) acc[m] = _mm256_setzero_ps();
-    const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     const __m256i order = _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3);  /* the lanes vphaddd leaves */
     for (int64_t qd = 0; qd < nq; qd++) {
-        const __m256i va = _mm256_loadu_si256((const __m256i*)(q + 64 * qd));       /* pair 2qd */
-        const __m256i vb = _mm256_loadu_si256((const __m256i*)(q + 64 * qd + 32));  /* 2qd + 1 */
-        const __m256i a_lo = _mm256_and_si256(va, low4), a_hi = _mm256_and_si256(_mm256_srli_epi16(va, 4), low4);
-        const __m256i b_lo = _mm256_and_si256(vb, low4), b_hi = _mm256_and_si256(_mm256_srli_epi16(vb, 4), low4);
+        __m256i a_lo, a_hi, b_lo, b_hi;
+        pair_codes(kind, q, 2 * qd, shift, &a_lo, &a_hi);
+        pair_codes(kind, q, 2 * qd + 1, shift, &b_lo, &b_hi);
+        const int sgn = kind == CODES_Q8_SIGNED;
+        const __m256i aa_lo = sgn ? _mm256_abs_epi8(a_lo) : a_lo, aa_hi = sgn ? _mm256_abs_epi8(a_hi) : a_hi;
+        const __m256i ab_lo = sgn ? _mm256_abs_epi8(b_lo) : b_lo, ab_hi = sgn ? _mm256_abs_epi8(b_hi) : b_hi;
         const __m256 sv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(sf + 4 * qd)), order);
         const int8_t* xa = tile + 2 * qd * TM * 64;
         const int8_t* xb = xa + TM * 64;
         #pragma GCC unroll 8
         for (int m = 0; m < TM; m++) {
-            const __m256i* am = (const __m256i*)(xa + m * 64);
-            const __m256i* bm = (const __m256i*)(xb + m * 64);
-            const __m256i pa = _mm256_add_epi16(_mm256_maddubs_epi16(a_lo, _mm256_load_si256(am)),
-                                                _mm256_maddubs_epi16(a_hi, _mm256_load_si256(am + 1)));
-            const __m256i pb = _mm256_add_epi16(_mm256_maddubs_epi16(b_lo, _mm256_load_si256(bm)),
-                                                _mm256_maddubs_epi16(b_hi, _mm256_load_si256(bm + 1)));
-            const __m256i i32 = _mm256_hadd_epi32(_mm256_madd_epi16(pa, ones), _mm256_madd_epi16(pb, ones));
+            const __m256i i32 = _mm256_hadd_epi32(
+                pair_dot_i8(kind, a_lo, a_hi, aa_lo, aa_hi, (const __m256i*)(xa + m * 64)),
+                pair_dot_i8(kind, b_lo, b_hi, ab_lo, ab_hi, (const __m256i*)(xb + m * 64)));
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32),
                                      _mm256_mul_ps(sv, _mm256_loadu_ps(dx + m * dx_row + qd * 8)), acc[m]);
         }
     }
     if (npairs % 2) {  /* K % 128 = 64: a last pair, folded with zeros into the quad's lanes */
-        const __m256i va = _mm256_loadu_si256((const __m256i*)(q + 64 * nq));
-        const __m256i a_lo = _mm256_and_si256(va, low4), a_hi = _mm256_and_si256(_mm256_srli_epi16(va, 4), low4);
+        __m256i a_lo, a_hi;
+        pair_codes(kind, q, 2 * nq, shift, &a_lo, &a_hi);
+        const int sgn = kind == CODES_Q8_SIGNED;
+        const __m256i aa_lo = sgn ? _mm256_abs_epi8(a_lo) : a_lo, aa_hi = sgn ? _mm256_abs_epi8(a_hi) : a_hi;
         const __m256 sv = _mm256_permutevar8x32_ps(
             _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double*)(sf + 4 * nq)))), order);
         const int8_t* xa = tile + 2 * nq * TM * 64;
         #pragma GCC unroll 8
         for (int m = 0; m < TM; m++) {
-            const __m256i* am = (const __m256i*)(xa + m * 64);
-            const __m256i pa = _mm256_add_epi16(_mm256_maddubs_epi16(a_lo, _mm256_load_si256(am)),
-                                                _mm256_maddubs_epi16(a_hi, _mm256_load_si256(am + 1)));
-            const __m256i i32 = _mm256_hadd_epi32(_mm256_madd_epi16(pa, ones), _mm256_setzero_si256());
+            const __m256i i32 = _mm256_hadd_epi32(
+                pair_dot_i8(kind, a_lo, a_hi, aa_lo, aa_hi, (const __m256i*)(xa + m * 64)),
+                _mm256_setzero_si256());
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32),
                                      _mm256_mul_ps(sv, _mm256_loadu_ps(dx + m * dx_row + nq * 8)), acc[m]);
         }
     }
     finish_tile(TM, acc, coff, xsum_t, ng, y, N);
+}
+
+/* the least and greatest of n int8 codes */
+static void code_range(const int8_t* q, int64_t n, int* lo, int* hi) {
+    __m256i mn = _mm256_set1_epi8(127), mx = _mm256_set1_epi8(-128);
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(q + i));
+        mn = _mm256_min_epi8(mn, v);
+        mx = _mm256_max_epi8(mx, v);
+    }
+    int8_t a[32], b[32];
+    _mm256_storeu_si256((__m256i*)a, mn);
+    _mm256_storeu_si256((__m256i*)b, mx);
+    int l = 127, h = -128;
+    for (int j = 0; j < 32; j++) { l = a[j] < l ? a[j] : l; h = b[j] > h ? b[j] : h; }
+    for (; i < n; i++) { l = q[i] < l ? q[i] : l; h = q[i] > h ? q[i] : h; }
+    *lo = l; *hi = h;
 }
 
 /* whether a two-level table row's superblocks all have d == 0 (then every entry is 0) */
@@ -358,6 +430,13 @@ static int i8_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G, c
             ok = 0;
             continue;
         }
+        /* q8 codes with float tables: shifted to unsigned where the chunk's span allows */
+        int kind = is_q4 ? CODES_Q4 : CODES_Q8_SIGNED, shift = 0;
+        if (!is_q4 && !two_level) {
+            int lo, hi;
+            code_range((const int8_t*)codes + n0 * row_bytes, (n1 - n0) * row_bytes, &lo, &hi);
+            if (hi - lo <= 63) kind = CODES_Q8_SHIFTED, shift = lo < 0 ? -lo : 0;
+        }
         int has_off[ROW_CHUNK];
         for (int64_t n = n0; n < n1; n++) {
             float* cr = coff + (n - n0) * ng;
@@ -371,6 +450,7 @@ static int i8_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G, c
                 if (sview != sr) memcpy(sr, sview, sizeof(float) * (size_t)ng);
                 const float* cview = mw_scales_f32(c, half, n * ng, ng, cr);
                 if (cview != cr) memcpy(cr, cview, sizeof(float) * (size_t)ng);
+                for (int64_t g = 0; shift && g < ng; g++) cr[g] -= (float)shift * sr[g];
                 has_off[n - n0] = !all_zero(cr, ng);
             }
         }
@@ -393,8 +473,14 @@ static int i8_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G, c
 #undef MW_ROW
                 } else {
                     const float* sr = sf + (n - n0) * ng;
-#define MW_ROW(tm, unused) row_tile_i8_blocks(tm, q, sr, co, tile, dx, npairs, xsum_t, ng, yt, N)
-                    switch (tm) { MW_TM_CASES(MW_ROW, 0) }
+                    const __m256i sh = _mm256_set1_epi8((char)shift);
+#define MW_ROW(tm, k) row_tile_i8_blocks(tm, k, q, sh, sr, co, tile, dx, npairs, xsum_t, ng, yt, N)
+#define MW_ROW_KIND(tm, unused) \
+                    if (kind == CODES_Q4) MW_ROW(tm, CODES_Q4); \
+                    else if (kind == CODES_Q8_SHIFTED) MW_ROW(tm, CODES_Q8_SHIFTED); \
+                    else MW_ROW(tm, CODES_Q8_SIGNED);
+                    switch (tm) { MW_TM_CASES(MW_ROW_KIND, 0) }
+#undef MW_ROW_KIND
 #undef MW_ROW
                 }
             }
