@@ -9,7 +9,7 @@ integer-activation kernels (int_gemm.c, forced on at every batch size, so the pe
 use them too) against the exact fp32 kernels: the cost of quantizing activations alone.
 
 ``--reference int16`` compares int8_tiles.c's int8 prefill activations (the default on K-quants
-and on Q8_0/Q5_0/Q5_1; with ``MEMWALL_INT8_TILES=all`` Q4_0/Q4_1 too) against int16 activations
+and on Q5_0/Q5_1; with ``MEMWALL_INT8_TILES=all`` Q4_0/Q4_1 too) against int16 activations
 at every size, both sides otherwise the same.
 
 ``--kv-cache-dtype`` (issue 14) compares KV cache formats instead: both sides keep the GGUF
@@ -33,7 +33,7 @@ In the report "auto" is then the tested format and "none" the fp32-KV reference.
    window's first token becomes BOS, one prefill per window gives full-sequence logits, and the
    second half of each window is scored. llama-perplexity runs on the same text file as a third
    reference (its "Final estimate"). The issue asks for <= 1% between the two memwall paths.
-   A window is one prefill of ``--ppl-ctx`` tokens: K-quant and Q8_0/Q5_0/Q5_1 weights (and
+   A window is one prefill of ``--ppl-ctx`` tokens: K-quant and Q5_0/Q5_1 weights (and
    Q4_0/Q4_1 with ``MEMWALL_INT8_TILES=all``) multiply it with int8 activations
    (kernels/cpu/int8_tiles.c; ``MEMWALL_INT8_TILES=0`` for int16), other formats past
    quant_ops.INT_ACTS_MAX_TOKENS dequantize the weight exactly and call F.linear.

@@ -47,7 +47,7 @@ from memwall.planner.sources import ModelSource
 
 NUMPY_HUGE_PAGE_MIN = 4 << 20  # numpy madvises arrays of at least 4 MiB for huge pages
 INT_ACTS_MAX_TOKENS = 256  # kernels/cpu/quant_ops.py: chunks up to this run the integer kernels
-# (kernels/cpu/int8_tiles.c also takes larger chunks of K-quant, Q8_0/Q5_0/Q5_1 and, when asked,
+# (kernels/cpu/int8_tiles.c also takes larger chunks of K-quant, Q5_0/Q5_1 and, when asked,
 # Q4_0/Q4_1 weights on AVX2, with no BLAS copy; the calibration does not measure it yet, so
 # predictions for those formats above this size are pessimistic in time and in the copy's memory)
 LARGE_WEIGHTS = 8 << 20  # weights whose float32 copy exceeds 32 MiB (glibc's mmap threshold cap)

@@ -30,17 +30,18 @@ TOKENS = [17, 23, 24, 25, 40, 129]  # just past the limit, around 8-token tiles,
 KQUANTS = [("q4", 256, 32, 8), ("q4", 768, 32, 8), ("q8", 512, 32, 8), ("q8", 256, 16, 16),
            ("q8", 2304, 16, 16), ("q4", 128, 32, 1), ("q4", 640, 32, 1), ("q4", 1152, 32, 0),
            ("q4", 576, 32, 1), ("q4", 64, 32, 0),  # K % 128 = 64: a last half quad (SmolLM2's 576)
-           # q8 codes with float tables (Q8_0: signed, the sign trick; Q5_0 / Q5_1: spans of 32
-           # shifted to unsigned), K crossing whole quads and half quads (Gemma 3's 640)
+           # q8 codes with float tables (Q8_0's full range: back to int16; Q5_0 / Q5_1 spans of
+           # 32 shifted to unsigned), K crossing whole quads and half quads (Gemma 3's 640)
            ("q8", 640, 32, 1), ("q8", 576, 32, 1), ("q8", 1152, 32, 0),
            ("q5_0", 640, 32, 1), ("q5_0", 896, 32, 1), ("q5_0", 576, 32, 0),
-           ("q5_1", 640, 32, 1), ("q5_1", 64, 32, 1), ("span64", 576, 32, 1)]
+           ("q5_1", 640, 32, 1), ("q5_1", 64, 32, 1), ("span64", 576, 32, 1),
+           ("span65", 576, 32, 1)]  # one value wider: int16
 
 
 ALL = 2  # mw_set_int8_tiles: also Q4_0/Q4_1 (1, the default: K-quants and q8 float tables)
 # q8 codes that span at most 64 values: the kernel shifts them to unsigned (Q5_0, Q5_1, and the
 # widest span that still fits); "q8" is the full -128..127 (Q8_0's sign trick)
-CODE_SPANS = {"q5_0": (-16, 15), "q5_1": (0, 31), "span64": (-40, 23)}
+CODE_SPANS = {"q5_0": (-16, 15), "q5_1": (0, 31), "span64": (-40, 23), "span65": (-40, 24)}
 
 
 @pytest.fixture
@@ -112,6 +113,8 @@ def test_int8_tiles_equal_the_quantized_reference(isa, kind, k, group, e):
     lib = build.lib()
     takes = bool(lib.mw_int8_tiles_fit(int(kind == "q4"), k, group, e))
     assert takes == (lib.mw_int_gemm_isa() >= 2)  # every AVX2 build, no other
+    # Q8_0-like q8 codes with float tables (a span over 64 values) go back to int16 in C
+    takes = takes and not (kind in ("q8", "span65") and e < 2)
     g = torch.Generator().manual_seed(k)
     for n in (1, 16, 37):  # one row, a whole row chunk, past two chunks
         codes, s, c, q = _kquant(kind, n, k, group, e, seed=n, zero_offsets=(n // 2,))
@@ -157,8 +160,9 @@ def test_decode_batches_and_other_tables_stay_off_int8(isa, kind, k, group, e):
 
 
 def test_the_default_takes_k_quants_and_q8_only(isa):
-    """Mode 1 (the default): two-level tables and q8 codes with float tables a block (Q8_0,
-    Q5_0, Q5_1) take int8, Q4_0/Q4_1 float tables stay int16."""
+    """Mode 1 (the default): two-level tables and q8 codes with float tables a block take
+    int8 (the shape fits; C then sends Q8_0's wide codes back to int16), Q4_0/Q4_1 float tables
+    stay int16."""
     lib = build.lib()
     avx2 = lib.mw_int_gemm_isa() >= 2
     lib.mw_set_int8_tiles(1)

@@ -1,6 +1,6 @@
 /* memwall's prefill matmuls with int8 activations: K-quant weights, q8 weights with a float
- * scale a 32-value block (Q8_0, Q5_0, Q5_1), and (opt-in) q4 weights with float scales (see
- * kernels.h for the other files).
+ * scale a 32-value block and narrow codes (Q5_0, Q5_1), and (opt-in) q4 weights with float
+ * scales (see kernels.h for the other files).
  *
  * Why: prefill is compute-bound, and int_gemm.c's int16 activations spend one vpmaddwd per 16
  * multiply-adds plus a float convert, scale and FMA per 64 values and token. GGUF's K-quants
@@ -41,19 +41,21 @@
  * 16..31 of both. A q4 pair of code blocks unpacks to the same order with one mask and one
  * shift; q8 codes take one 128-bit permute per pair and row.
  *
- * Float tables a block (Q8_0, Q5_0, Q5_1, and Q4_0 / Q4_1 when asked): activations take a scale
- * a 32-value block (llama.cpp's Q8_0), and four blocks share one float convert, scale and FMA
+ * Float tables a block (Q5_0, Q5_1, and Q4_0 / Q4_1 when asked): activations take a scale a
+ * 32-value block (llama.cpp's Q8_0), and four blocks share one float convert, scale and FMA
  * (row_tile_i8_blocks). Q5_0's codes (-16..15) shift into 0..31 for vpmaddubsw's unsigned side,
  * the shift coming off in the offset term; on a 2-core AMD EPYC (Zen 3, 2 threads) Q5_0-shaped
  * weights ran at 83-114 GFLOP/s against 66-100 with int16 activations and 37-80 for dequantize +
  * BLAS (128 and 512 tokens, Gemma 3 270M's and Qwen2.5-0.5B's shapes); Gemma 3 270M's 512-token
- * prefill went from 252-350 to 318-418 tokens/s. Q8_0's full-range codes take the sign trick
- * and run about as fast as int16 (they are a few of those models' weights).
+ * prefill went from 252-350 to 318-418 tokens/s. Q8_0's full-range codes (a q8 float-table
+ * weight whose codes span more than 64 values) stay on int16: with the sign trick they ran at
+ * int16's speed, at int8's precision.
  *
  * Returns 0 (the caller then runs int_gemm.c) where the shape does not fit: not AVX2, switched
  * off, at most MW_I8T_MIN_TOKENS tokens, two-level tables without 256-value superblocks or K not
  * a multiple of 256, float tables with groups other than 32 values or K not a multiple of 64,
- * q4 float tables in mode 1, or out of memory.
+ * q8 float-table codes spanning more than 64 values (Q8_0), q4 float tables in mode 1, or out of
+ * memory.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -275,14 +277,16 @@ static inline __attribute__((always_inline)) void row_tile_i8(
 }
 
 /* How a row's codes meet the int8 activations in row_tile_i8_blocks: vpmaddubsw multiplies
- * unsigned bytes by signed ones. q4 codes are 0..15; q8 codes whose row chunk spans at most 64
- * values (Q5_0's -16..15, Q5_1's 0..31) are shifted by a constant into 0..63 and the shift comes
- * off in the offset term (c - shift * s, against the quantized activations' group sums, so the
- * algebra is exact); other q8 codes (Q8_0) take |w| times x with w's sign. */
-enum { CODES_Q4 = 0, CODES_Q8_SHIFTED = 1, CODES_Q8_SIGNED = 2 };
+ * unsigned bytes by signed ones. q4 codes are 0..15; q8 codes with float tables that span at
+ * most 64 values (Q5_0's -16..15, Q5_1's 0..31; narrow_span below) are shifted by a constant
+ * into 0..63 and the shift comes off in the offset term (c - shift * s, against the quantized
+ * activations' group sums, so the algebra is exact). Q8_0's full range stays on int16: with the
+ * sign trick (as row_tile_i8 does for Q5_K/Q6_K) it ran no faster than int16 (AMD EPYC Zen 3)
+ * and cost int8's precision. */
+enum { CODES_Q4 = 0, CODES_Q8_SHIFTED = 1 };
 
-/* pair p of a row's codes in the tile's activation order: values 0..15 of blocks 2p and 2p + 1
- * in *lo, values 16..31 in *hi (CODES_Q8_SIGNED: as stored; the others unsigned) */
+/* pair p of a row's codes in the tile's activation order, unsigned: values 0..15 of blocks 2p
+ * and 2p + 1 in *lo, values 16..31 in *hi */
 static inline __attribute__((always_inline)) void pair_codes(
         const int kind, const uint8_t* q, int64_t p, __m256i shift, __m256i* lo, __m256i* hi) {
     if (kind == CODES_Q4) {
@@ -293,31 +297,20 @@ static inline __attribute__((always_inline)) void pair_codes(
     }
     const __m256i v0 = _mm256_loadu_si256((const __m256i*)(q + 64 * p));
     const __m256i v1 = _mm256_loadu_si256((const __m256i*)(q + 64 * p + 32));
-    *lo = _mm256_permute2x128_si256(v0, v1, 0x20);
-    *hi = _mm256_permute2x128_si256(v0, v1, 0x31);
-    if (kind == CODES_Q8_SHIFTED) {
-        *lo = _mm256_add_epi8(*lo, shift);
-        *hi = _mm256_add_epi8(*hi, shift);
-    }
+    *lo = _mm256_add_epi8(_mm256_permute2x128_si256(v0, v1, 0x20), shift);
+    *hi = _mm256_add_epi8(_mm256_permute2x128_si256(v0, v1, 0x31), shift);
 }
 
 /* a pair's dot products with one token (am: its 64 activation bytes), as int32, four lanes a
- * block: unsigned codes <= 63 keep every int16 sum <= 2 * 2 * 63 * 127 (no saturation); signed
- * ones reduce each half to int32 first (a lane up to 2 * 128 * 127) */
-static inline __attribute__((always_inline)) __m256i pair_dot_i8(
-        const int kind, __m256i lo, __m256i hi, __m256i abs_lo, __m256i abs_hi, const __m256i* am) {
+ * block: unsigned codes <= 63 keep every int16 sum <= 2 * 2 * 63 * 127 (no saturation) */
+static inline __attribute__((always_inline)) __m256i pair_dot_i8(__m256i lo, __m256i hi, const __m256i* am) {
     const __m256i ones = _mm256_set1_epi16(1);
-    if (kind == CODES_Q8_SIGNED) {
-        const __m256i p_lo = _mm256_maddubs_epi16(abs_lo, _mm256_sign_epi8(_mm256_load_si256(am), lo));
-        const __m256i p_hi = _mm256_maddubs_epi16(abs_hi, _mm256_sign_epi8(_mm256_load_si256(am + 1), hi));
-        return _mm256_add_epi32(_mm256_madd_epi16(p_lo, ones), _mm256_madd_epi16(p_hi, ones));
-    }
     const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_load_si256(am)),
                                          _mm256_maddubs_epi16(hi, _mm256_load_si256(am + 1)));
     return _mm256_madd_epi16(p16, ones);
 }
 
-/* One row with float scales a block (Q4_0 / Q4_1 q4 codes; Q5_0 / Q5_1 / Q8_0 q8 codes, kind as
+/* One row with float scales a block (Q4_0 / Q4_1 q4 codes; Q5_0 / Q5_1 q8 codes, kind as
  * above; sf, the row's scales widened to float; coff its offsets or NULL) against the TM tokens
  * of a tile, activations with a scale a block (dx: the tile's [tm][K / 128][8]). A quad of four
  * blocks (two pairs) is one step: each pair's products reduce to int32 (four lanes a block), one
@@ -337,17 +330,13 @@ static inline __attribute__((always_inline)) void row_tile_i8_blocks(
         __m256i a_lo, a_hi, b_lo, b_hi;
         pair_codes(kind, q, 2 * qd, shift, &a_lo, &a_hi);
         pair_codes(kind, q, 2 * qd + 1, shift, &b_lo, &b_hi);
-        const int sgn = kind == CODES_Q8_SIGNED;
-        const __m256i aa_lo = sgn ? _mm256_abs_epi8(a_lo) : a_lo, aa_hi = sgn ? _mm256_abs_epi8(a_hi) : a_hi;
-        const __m256i ab_lo = sgn ? _mm256_abs_epi8(b_lo) : b_lo, ab_hi = sgn ? _mm256_abs_epi8(b_hi) : b_hi;
         const __m256 sv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(sf + 4 * qd)), order);
         const int8_t* xa = tile + 2 * qd * TM * 64;
         const int8_t* xb = xa + TM * 64;
         #pragma GCC unroll 8
         for (int m = 0; m < TM; m++) {
-            const __m256i i32 = _mm256_hadd_epi32(
-                pair_dot_i8(kind, a_lo, a_hi, aa_lo, aa_hi, (const __m256i*)(xa + m * 64)),
-                pair_dot_i8(kind, b_lo, b_hi, ab_lo, ab_hi, (const __m256i*)(xb + m * 64)));
+            const __m256i i32 = _mm256_hadd_epi32(pair_dot_i8(a_lo, a_hi, (const __m256i*)(xa + m * 64)),
+                                                  pair_dot_i8(b_lo, b_hi, (const __m256i*)(xb + m * 64)));
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32),
                                      _mm256_mul_ps(sv, _mm256_loadu_ps(dx + m * dx_row + qd * 8)), acc[m]);
         }
@@ -355,16 +344,13 @@ static inline __attribute__((always_inline)) void row_tile_i8_blocks(
     if (npairs % 2) {  /* K % 128 = 64: a last pair, folded with zeros into the quad's lanes */
         __m256i a_lo, a_hi;
         pair_codes(kind, q, 2 * nq, shift, &a_lo, &a_hi);
-        const int sgn = kind == CODES_Q8_SIGNED;
-        const __m256i aa_lo = sgn ? _mm256_abs_epi8(a_lo) : a_lo, aa_hi = sgn ? _mm256_abs_epi8(a_hi) : a_hi;
         const __m256 sv = _mm256_permutevar8x32_ps(
             _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double*)(sf + 4 * nq)))), order);
         const int8_t* xa = tile + 2 * nq * TM * 64;
         #pragma GCC unroll 8
         for (int m = 0; m < TM; m++) {
-            const __m256i i32 = _mm256_hadd_epi32(
-                pair_dot_i8(kind, a_lo, a_hi, aa_lo, aa_hi, (const __m256i*)(xa + m * 64)),
-                _mm256_setzero_si256());
+            const __m256i i32 = _mm256_hadd_epi32(pair_dot_i8(a_lo, a_hi, (const __m256i*)(xa + m * 64)),
+                                                  _mm256_setzero_si256());
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32),
                                      _mm256_mul_ps(sv, _mm256_loadu_ps(dx + m * dx_row + nq * 8)), acc[m]);
         }
@@ -372,22 +358,28 @@ static inline __attribute__((always_inline)) void row_tile_i8_blocks(
     finish_tile(TM, acc, coff, xsum_t, ng, y, N);
 }
 
-/* the least and greatest of n int8 codes */
-static void code_range(const int8_t* q, int64_t n, int* lo, int* hi) {
-    __m256i mn = _mm256_set1_epi8(127), mx = _mm256_set1_epi8(-128);
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(q + i));
-        mn = _mm256_min_epi8(mn, v);
-        mx = _mm256_max_epi8(mx, v);
+/* Whether n int8 codes span at most 64 values (then *shift moves them into 0..63); stops at the
+ * first byte that widens the span past that (Q8_0's codes do within their first blocks) */
+static int narrow_span(const int8_t* q, int64_t n, int* shift) {
+    int lo = 127, hi = -128;
+    for (int64_t i0 = 0; i0 < n; i0 += 4096) {
+        const int64_t i1 = i0 + 4096 < n ? i0 + 4096 : n;
+        __m256i mn = _mm256_set1_epi8(127), mx = _mm256_set1_epi8(-128);
+        int64_t i = i0;
+        for (; i + 32 <= i1; i += 32) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(q + i));
+            mn = _mm256_min_epi8(mn, v);
+            mx = _mm256_max_epi8(mx, v);
+        }
+        int8_t a[32], b[32];
+        _mm256_storeu_si256((__m256i*)a, mn);
+        _mm256_storeu_si256((__m256i*)b, mx);
+        for (int j = 0; j < 32; j++) { lo = a[j] < lo ? a[j] : lo; hi = b[j] > hi ? b[j] : hi; }
+        for (; i < i1; i++) { lo = q[i] < lo ? q[i] : lo; hi = q[i] > hi ? q[i] : hi; }
+        if (hi - lo > 63) return 0;
     }
-    int8_t a[32], b[32];
-    _mm256_storeu_si256((__m256i*)a, mn);
-    _mm256_storeu_si256((__m256i*)b, mx);
-    int l = 127, h = -128;
-    for (int j = 0; j < 32; j++) { l = a[j] < l ? a[j] : l; h = b[j] > h ? b[j] : h; }
-    for (; i < n; i++) { l = q[i] < l ? q[i] : l; h = q[i] > h ? q[i] : h; }
-    *lo = l; *hi = h;
+    *shift = lo < 0 ? -lo : 0;
+    return 1;
 }
 
 /* whether a two-level table row's superblocks all have d == 0 (then every entry is 0) */
@@ -414,6 +406,10 @@ static int i8_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G, c
     const int64_t nsb = K / SUPER, npairs = K / 64, ng = K / G, row_bytes = is_q4 ? K / 2 : K;
     const int64_t table_row = two_level ? nsb * (4 + E) : 0;       /* bytes */
     const int64_t dx_row = two_level ? nsb : (npairs + 1) / 2 * 8;  /* a token's dx entries */
+    /* q8 codes with float tables: only a narrow span (Q5_0, Q5_1), shifted to unsigned; Q8_0's
+       full range would take the sign trick at int16's speed (measured) with int8's error */
+    int shift = 0;
+    if (!is_q4 && !two_level && !narrow_span((const int8_t*)codes, N * K, &shift)) return 0;
     i8acts a;
     if (!quantize_i8(x, M, K, G, two_level ? SUPER : 32, &a)) return 0;
     const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;
@@ -429,13 +425,6 @@ static int i8_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G, c
             #pragma omp atomic write
             ok = 0;
             continue;
-        }
-        /* q8 codes with float tables: shifted to unsigned where the chunk's span allows */
-        int kind = is_q4 ? CODES_Q4 : CODES_Q8_SIGNED, shift = 0;
-        if (!is_q4 && !two_level) {
-            int lo, hi;
-            code_range((const int8_t*)codes + n0 * row_bytes, (n1 - n0) * row_bytes, &lo, &hi);
-            if (hi - lo <= 63) kind = CODES_Q8_SHIFTED, shift = lo < 0 ? -lo : 0;
         }
         int has_off[ROW_CHUNK];
         for (int64_t n = n0; n < n1; n++) {
@@ -476,9 +465,7 @@ static int i8_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G, c
                     const __m256i sh = _mm256_set1_epi8((char)shift);
 #define MW_ROW(tm, k) row_tile_i8_blocks(tm, k, q, sh, sr, co, tile, dx, npairs, xsum_t, ng, yt, N)
 #define MW_ROW_KIND(tm, unused) \
-                    if (kind == CODES_Q4) MW_ROW(tm, CODES_Q4); \
-                    else if (kind == CODES_Q8_SHIFTED) MW_ROW(tm, CODES_Q8_SHIFTED); \
-                    else MW_ROW(tm, CODES_Q8_SIGNED);
+                    if (is_q4) MW_ROW(tm, CODES_Q4); else MW_ROW(tm, CODES_Q8_SHIFTED);
                     switch (tm) { MW_TM_CASES(MW_ROW_KIND, 0) }
 #undef MW_ROW_KIND
 #undef MW_ROW

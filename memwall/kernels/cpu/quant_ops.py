@@ -11,7 +11,8 @@ functions, for weights in the q4/q8 layouts of layout.py: ``x`` float32 [M, K] (
                      the exact fp32 tiles, which are faster) while ``set_int_acts(True)`` (the
                      default); else the exact fp32 row kernels
     M > 16           K-quant weights (two-level tables: Q4_K, Q5_K, Q6_K), q8 weights with a
-                     float scale a 32-value block (Q8_0, Q5_0, Q5_1; with
+                     float scale a 32-value block whose codes span at most 64 values (Q5_0,
+                     Q5_1; Q8_0 stays int16, even past INT_ACTS_MAX_TOKENS; with
                      ``set_int8_tiles(True, q4_float_tables=True)`` also Q4_0/Q4_1) on AVX2:
                      int8_tiles.c, one int8 a value (a scale per 256 values, per 32 for float
                      tables), at any size (but AMX's, below) while integer activations and
@@ -63,7 +64,7 @@ def set_int_acts(on: bool) -> None:
 
 def set_int8_tiles(on: bool, q4_float_tables: bool = False) -> None:
     """Prefill matmuls (more than 16 tokens) on K-quant weights and on q8 weights with float
-    block scales (Q8_0, Q5_0, Q5_1) with int8 activations (on: the default; llama.cpp's
+    block scales and narrow codes (Q5_0, Q5_1) with int8 activations (on: the default; llama.cpp's
     precision) or with int_gemm.c's int16 ones; q4_float_tables: Q4_0/Q4_1 too (off by default:
     SmolLM2-135M Q4_1's greedy tokens agreed on 87.9% of positions)."""
     _lib().mw_set_int8_tiles(2 if on and q4_float_tables else int(on))
