@@ -174,6 +174,18 @@ class QuantLinear(nn.Module):
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
 
+    def offsets_or_none(self) -> torch.Tensor | None:
+        """The offset table ``c``, or None when every entry is zero (GGUF Q8_0 / Q5_0 / Q6_K:
+        the kernels then skip the offset term and never read the table). Checked once per
+        buffer and version, so a buffer replaced or written in place is checked again."""
+        c = getattr(self, "c", None)
+        if c is None:
+            return None
+        key = (c.data_ptr(), c._version, c.shape)
+        if getattr(self, "_offsets_key", None) != key:
+            self._offsets_key, self._offsets_zero = key, not bool(c.any())
+        return None if self._offsets_zero else c
+
     def native_parts(self) -> "list[PackedWeight] | None":
         """How memwall/kernels/cpu reads this layer (layout.py ``describe``), or None."""
         weight = self.method.native_weight(self, self.bias)

@@ -121,9 +121,10 @@ class NativeQ8(QuantMethod):
         return columns_of(layer, start, stop, {"codes": 1, "s": group, "c": group}, group)
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-        y = quant_ops.q8_matmul(x.float().contiguous(), layer.codes, layer.s, layer.c)  # [T, out]
+        y = quant_ops.q8_matmul(x.float().contiguous(), layer.codes, layer.s,
+                                layer.offsets_or_none())  # [T, out]
         return y.to(x.dtype)
 
     def native_weight(self, layer: QuantLinear, bias: torch.Tensor | None) -> PackedWeight:
         return PackedWeight("q8", layer.in_features // table_groups(layer.s), layer.out_features,
-                            layer.in_features, layer.codes, layer.s, layer.c, bias)
+                            layer.in_features, layer.codes, layer.s, layer.offsets_or_none(), bias)

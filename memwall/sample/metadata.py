@@ -59,15 +59,23 @@ class SamplingMetadata:
         no_penalties = all(p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
                            and p.frequency_penalty == 0.0 for p in params)
         requested = [p.logprobs for p in params if p.logprobs is not None]
+        # One [6, B] table for the per-row floats, its rows the fields (a torch.tensor call costs
+        # ~10 us here, and a decode step builds this metadata every time).
+        floats = torch.tensor([[0.0 if g else p.temperature for p, g in zip(params, greedy)],
+                               [p.top_p for p in params], [p.min_p for p in params],
+                               [p.repetition_penalty for p in params],
+                               [p.presence_penalty for p in params],
+                               [p.frequency_penalty for p in params]],
+                              dtype=torch.float32).reshape(6, len(params))  # [6, B]
         return cls(
             # Greedy rows store 0 even for a tiny positive temperature, so "0 = greedy" holds.
-            temperature=_f32([0.0 if g else p.temperature for p, g in zip(params, greedy)]),
+            temperature=floats[0],
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),  # [B]
-            top_p=_f32([p.top_p for p in params]),
-            min_p=_f32([p.min_p for p in params]),
-            repetition_penalty=_f32([p.repetition_penalty for p in params]),
-            presence_penalty=_f32([p.presence_penalty for p in params]),
-            frequency_penalty=_f32([p.frequency_penalty for p in params]),
+            top_p=floats[1],
+            min_p=floats[2],
+            repetition_penalty=floats[3],
+            presence_penalty=floats[4],
+            frequency_penalty=floats[5],
             generators=list(generators),
             prompt_token_ids=prompt_token_ids,
             output_token_ids=output_token_ids,
@@ -79,6 +87,3 @@ class SamplingMetadata:
             token_bitmask=token_bitmask,
         )
 
-
-def _f32(values: list[float]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32)  # [B]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from memwall.sample.grammar_mask import apply_token_bitmask
@@ -22,6 +23,16 @@ class SamplerOutput:
     logprobs: LogprobsTensors | None  # None when max_num_logprobs is None
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1) for [B, V], through numpy for contiguous float32 CPU tensors: torch
+    2.13's CPU argmax took 680 us over Gemma 3's 262,144 logits and 3.2 ms over 16 rows of
+    Qwen2.5's 151,936, numpy's 39 us and 0.56 ms (AMD EPYC Zen 3) -- 2.6% of a Gemma 3 270M
+    decode step. Same answers: the first maximal index, and a NaN counts as the maximum."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous():
+        return logits.argmax(dim=-1)
+    return torch.from_numpy(logits.numpy().argmax(axis=-1).astype(np.int64, copy=False))
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         work = self.adjusted(logits, meta)  # [B, V]
@@ -34,7 +45,13 @@ class Sampler:
     @staticmethod
     def adjusted(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """A float32 copy with the grammar mask, banned tokens and penalties applied (the caller's logits stay
-        raw for the logprobs). Greedy rows take its argmax."""
+        raw for the logprobs). Greedy rows take its argmax. Nothing to apply: the float32 logits
+        themselves, which no caller writes to (copying Gemma 3's 262,144 fresh floats a step took
+        0.27 ms of a 22 ms decode step)."""
+        untouched = (meta.token_bitmask is None and meta.no_penalties
+                     and not any(meta.banned_token_ids))
+        if untouched and logits.dtype == torch.float32:
+            return logits
         work = logits.to(torch.float32, copy=True)  # [B, V]
         if meta.token_bitmask is not None:
             apply_token_bitmask(work, meta.token_bitmask)
@@ -58,9 +75,9 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         # torch.argmax returns the first maximal index, so ties break towards the lower id.
         if meta.all_greedy:
-            return logits.argmax(dim=-1)  # [B]
+            return argmax_rows(logits)  # [B]
         rows = (meta.temperature.to(logits.device) > 0).nonzero().flatten()  # [R] the random rows
-        sampled = logits.argmax(dim=-1)  # [B]; random rows are overwritten below
+        sampled = argmax_rows(logits)  # [B]; random rows are overwritten below
         probs = self.probabilities(logits, meta, rows)  # [R, V]
         sampled[rows] = exponential_race(probs, [meta.generators[i] for i in rows.tolist()])  # [R]
         return sampled
@@ -115,4 +132,4 @@ def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | Non
             # Draw on the generator's own device so a CPU generator works for GPU logits too.
             q[i] = torch.empty(probs.shape[-1], device=g.device).exponential_(generator=g).to(probs.device)
     # q == 0 is possible in principle; a tiny floor keeps 0/0 from turning into NaN.
-    return (probs / q.clamp_(min=1e-30)).argmax(dim=-1)  # [R]
+    return argmax_rows(probs / q.clamp_(min=1e-30))  # [R]

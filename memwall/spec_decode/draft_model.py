@@ -23,6 +23,7 @@ import torch
 
 from memwall.attention.backend import AttentionBackend, bind as bind_attention
 from memwall.config import ModelArchConfig
+from memwall.sample.sampler import argmax_rows
 from memwall.spec_decode.draft_cache import DraftCache
 from memwall.spec_decode.proposer import DraftRequest, Proposer
 
@@ -116,7 +117,7 @@ class DraftModelProposer(Proposer):
         logits = self.model.compute_logits(hidden[last])
         for rid, new in zip(request_ids, inputs):
             self.tokens[rid].extend(new)
-        return logits.argmax(dim=-1).tolist()
+        return argmax_rows(logits).tolist()
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -33,6 +33,7 @@ from memwall.attention.metadata import AttentionMetadata
 from memwall.config import ModelArchConfig
 from memwall.layers.rotary import RotaryEmbedding
 from memwall.models.llama import DecoderLayer, KVCache
+from memwall.sample.sampler import argmax_rows
 from memwall.spec_decode.draft_cache import DraftCache
 from memwall.spec_decode.proposer import DraftRequest, Proposer
 
@@ -217,7 +218,7 @@ class EagleProposer(Proposer):
         for step in range(max(limits, default=0)):
             rows = [i for i, limit in enumerate(limits) if step < limit]
             predicted = self._forward([active[i] for i in rows], [inputs[i] for i in rows])
-            tokens = self.target.compute_logits(predicted).argmax(dim=-1)
+            tokens = argmax_rows(self.target.compute_logits(predicted))
             for j, i in enumerate(rows):
                 rid, first, _, base = active[i]
                 if step == 0:

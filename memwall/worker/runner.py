@@ -29,7 +29,7 @@ from memwall.outputs import Logprob
 from memwall.sample.grammar_mask import stack_bitmask
 from memwall.sample.logprobs import LogprobsTensors, compute_logprobs
 from memwall.sample.metadata import SamplingMetadata
-from memwall.sample.sampler import Sampler
+from memwall.sample.sampler import Sampler, argmax_rows
 from memwall.sampling_params import SamplingParams
 from memwall.spec_decode import DraftRequest, Proposer, make_proposer
 from memwall.spec_decode.adaptive import DraftLengths, StepCost
@@ -319,7 +319,7 @@ class ModelRunner:
         meta = SamplingMetadata.build(params, gens, prompts, outputs, banned,
                                       stack_bitmask(mask_rows) if masks else None)
         work = self.sampler.adjusted(raw, meta)  # [R, V]
-        argmax = work.argmax(dim=-1).tolist()
+        argmax = argmax_rows(work).tolist()
         offset = 0
         for v in verify:
             drafts, p = v.draft_token_ids, self.rows.states[v.request_id].sampling_params

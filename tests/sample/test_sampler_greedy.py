@@ -71,3 +71,24 @@ def test_metadata_flags_and_logprob_count() -> None:
     assert build_meta([SamplingParams(top_k=-1)]).top_k.tolist() == [0]
     with pytest.raises(ValueError, match="differ in length"):
         build_meta([SamplingParams()], generators=[None, None])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_argmax_rows_equals_torch_argmax(dtype: torch.dtype) -> None:
+    """The numpy fast path (contiguous float32) and the torch fallback give torch's answers:
+    the first maximal index, a NaN counting as the maximum, int64 ids."""
+    from memwall.sample.sampler import argmax_rows
+
+    torch.manual_seed(1)
+    logits = torch.randn(5, 262144).to(dtype)  # Gemma 3's vocabulary
+    logits[1, :] = 2.0  # all tied: id 0
+    logits[2, 7] = logits[2, 9] = 50.0  # tie between two maxima: the lower id
+    logits[3, 11] = float("nan")
+    logits[3, 13] = float("nan")
+    logits[4, 262143] = float("inf")
+    got = argmax_rows(logits)
+    assert got.dtype == torch.int64 and got.tolist() == [int(logits[0].float().argmax()), 0, 7, 11, 262143]
+    assert torch.equal(got, logits.argmax(dim=-1))
+    strided = logits[:, ::2]  # not contiguous: torch's own argmax
+    assert torch.equal(argmax_rows(strided), strided.argmax(dim=-1))
+    assert argmax_rows(torch.empty(0, 10)).tolist() == []

@@ -74,7 +74,7 @@ def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def split_weight(kind: str, k: int, codes: torch.Tensor, s: torch.Tensor,
-                 c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 c: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """A q4/q8 weight rebuilt as s * q + c [N, K] and split (float32 hi, lo)."""
     n, group = check_packed(kind, k, codes, s, c)
     hi = torch.empty(n, k, dtype=torch.float32)
@@ -82,10 +82,10 @@ def split_weight(kind: str, k: int, codes: torch.Tensor, s: torch.Tensor,
     if n:
         lib = build.require()
         if kind == "q4":
-            lib.mw_q4_dequant_split(codes.data_ptr(), s.data_ptr(), c.data_ptr(), hi.data_ptr(),
+            lib.mw_q4_dequant_split(codes.data_ptr(), s.data_ptr(), 0 if c is None else c.data_ptr(), hi.data_ptr(),
                                     lo.data_ptr(), n, k, scale_format(s))
         else:
-            lib.mw_q8_dequant_split(codes.data_ptr(), s.data_ptr(), c.data_ptr(), hi.data_ptr(),
+            lib.mw_q8_dequant_split(codes.data_ptr(), s.data_ptr(), 0 if c is None else c.data_ptr(), hi.data_ptr(),
                                     lo.data_ptr(), n, k, group, scale_format(s))
     return hi, lo
 
@@ -103,7 +103,7 @@ def split_linear(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor) -> tor
 
 
 def matmul(kind: str, x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor,
-           c: torch.Tensor) -> torch.Tensor:
+           c: torch.Tensor | None) -> torch.Tensor:
     """quant_ops.q4_matmul / q8_matmul through split bf16 (callers check ``use_for``)."""
     w_hi, w_lo = split_weight(kind, x.shape[-1], codes, s, c)
     return split_linear(x, w_hi, w_lo)

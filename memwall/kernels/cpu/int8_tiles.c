@@ -430,8 +430,8 @@ static int i8_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G, c
         for (int64_t n = n0; n < n1; n++) {
             float* cr = coff + (n - n0) * ng;
             if (two_level) {
-                const uint8_t* ct = (const uint8_t*)c + n * table_row;
-                has_off[n - n0] = !table_row_zero(ct, nsb, E);
+                const uint8_t* ct = c ? (const uint8_t*)c + n * table_row : NULL;  /* NULL: zeros */
+                has_off[n - n0] = ct && !table_row_zero(ct, nsb, E);
                 if (has_off[n - n0]) mw_scales_f32(ct, half, 0, ng, cr);
             } else {
                 float* sr = sf + (n - n0) * ng;

@@ -354,10 +354,13 @@ static inline __attribute__((always_inline)) void row_seq_q4_tables(
     for (int64_t unit = 0; unit < units; unit++) {
         _mm_prefetch((const char*)(q + SEQ_PREFETCH + 128 * unit), _MM_HINT_T0);
         _mm_prefetch((const char*)(q + SEQ_PREFETCH + 128 * unit + 64), _MM_HINT_T0);
-        const __m256 s8 = table8(fmt, st, unit), c8 = table8(fmt, ct, unit);
-        #pragma GCC unroll 8
-        for (int m = 0; m < TM; m++)
-            off[m] = _mm256_fmadd_ps(c8, _mm256_loadu_ps(xsum_m + m * nb + unit * 8), off[m]);
+        const __m256 s8 = table8(fmt, st, unit);
+        if (ct) {  /* no table: the offsets are all zero (MW_NO_OFFSETS, kernels.h) */
+            const __m256 c8 = table8(fmt, ct, unit);
+            #pragma GCC unroll 8
+            for (int m = 0; m < TM; m++)
+                off[m] = _mm256_fmadd_ps(c8, _mm256_loadu_ps(xsum_m + m * nb + unit * 8), off[m]);
+        }
         #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) {
             const int64_t p = unit * 4 + j;
@@ -378,7 +381,7 @@ static inline __attribute__((always_inline)) void row_seq_q4_tables(
         __m256i w[4];
         unpack_q4_pair(_mm256_loadu_si256((const __m256i*)(q + 32 * p)), w);
         const float s0 = table1(fmt, st, 2 * p), s1 = table1(fmt, st, 2 * p + 1);
-        const float c0 = table1(fmt, ct, 2 * p), c1 = table1(fmt, ct, 2 * p + 1);
+        const float c0 = ct ? table1(fmt, ct, 2 * p) : 0.f, c1 = ct ? table1(fmt, ct, 2 * p + 1) : 0.f;
         const __m256 sv = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
         #pragma GCC unroll 8
         for (int m = 0; m < TM; m++) {
@@ -408,10 +411,13 @@ static inline __attribute__((always_inline)) void row_seq_q8_tables(
         #pragma GCC unroll 4
         for (int l = 0; l < per_run / 2; l++)  /* per_run * 32 bytes of codes, a line at a time */
             _mm_prefetch((const char*)(q + SEQ_PREFETCH + 32 * per_run * unit + 64 * l), _MM_HINT_T0);
-        const __m256 s8 = table8(fmt, st, unit), c8 = table8(fmt, ct, unit);
-        #pragma GCC unroll 8
-        for (int m = 0; m < TM; m++)
-            off[m] = _mm256_fmadd_ps(c8, _mm256_loadu_ps(xsum_m + m * ng + unit * 8), off[m]);
+        const __m256 s8 = table8(fmt, st, unit);
+        if (ct) {  /* no table: the offsets are all zero (MW_NO_OFFSETS, kernels.h) */
+            const __m256 c8 = table8(fmt, ct, unit);
+            #pragma GCC unroll 8
+            for (int m = 0; m < TM; m++)
+                off[m] = _mm256_fmadd_ps(c8, _mm256_loadu_ps(xsum_m + m * ng + unit * 8), off[m]);
+        }
         #pragma GCC unroll 8
         for (int j = 0; j < per_run; j++) {
             const int64_t b = unit * per_run + j;
@@ -451,11 +457,11 @@ static inline __attribute__((always_inline)) void row_seq_q8_tables(
                 const __m256 d1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w1, _mm256_load_si256(am + 1)));
                 acc[m] = _mm256_fmadd_ps(d0, _mm256_mul_ps(_mm256_set1_ps(s0), um), acc[m]);
                 acc[m] = _mm256_fmadd_ps(d1, _mm256_mul_ps(_mm256_set1_ps(s1), um), acc[m]);
-                tail[m] += table1(fmt, ct, g) * xsum_m[m * ng + g] + table1(fmt, ct, g + 1) * xsum_m[m * ng + g + 1];
+                if (ct) tail[m] += table1(fmt, ct, g) * xsum_m[m * ng + g] + table1(fmt, ct, g + 1) * xsum_m[m * ng + g + 1];
             } else {
                 const __m256i d = dot16(w0, _mm256_load_si256(am), w1, _mm256_load_si256(am + 1));
                 acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(_mm256_set1_ps(s0), um), acc[m]);
-                tail[m] += table1(fmt, ct, g) * xsum_m[m * ng + g];
+                if (ct) tail[m] += table1(fmt, ct, g) * xsum_m[m * ng + g];
             }
         }
     }
@@ -627,7 +633,7 @@ static int int_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G,
         #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < N; n++) {
             const uint8_t* q = (const uint8_t*)codes + n * (K / 2);
-            const uint8_t *st = (const uint8_t*)s + n * table_row, *ct = (const uint8_t*)c + n * table_row;
+            const uint8_t *st = (const uint8_t*)s + n * table_row, *ct = c ? (const uint8_t*)c + n * table_row : NULL;
 #define MW_ROW_SEQ(tm, fmt) row_seq_q4_tables(tm, fmt, q, st, ct, a.acts, a.upair, a.xsum_m, nb, y + n, N)
 #define MW_ROW_SEQ_FMT(tm, unused) \
             if (half == 0) MW_ROW_SEQ(tm, 0); else if (half == 1) MW_ROW_SEQ(tm, 1); \
@@ -644,7 +650,7 @@ static int int_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G,
         #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < N; n++) {
             const uint8_t* q = (const uint8_t*)codes + n * K;
-            const uint8_t *st = (const uint8_t*)s + n * table_row, *ct = (const uint8_t*)c + n * table_row;
+            const uint8_t *st = (const uint8_t*)s + n * table_row, *ct = c ? (const uint8_t*)c + n * table_row : NULL;
 #define MW_ROW_SEQ(tm, fmt, sp) row_seq_q8_tables(tm, fmt, sp, q, st, ct, a.acts, a.u, a.xsum_m, nb, ng, y + n, N)
 #define MW_ROW_SEQ_FMT(tm, sp) \
             if (half == 0) MW_ROW_SEQ(tm, 0, sp); else if (half == 1) MW_ROW_SEQ(tm, 1, sp); \

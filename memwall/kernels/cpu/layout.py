@@ -20,7 +20,9 @@ Scales and offsets are tables [N, K/group] in one of three formats, both the sam
                       row holds a float32 d (4 bytes) and E int8 sub-values; entry = d * sub in
                       fp32, the same bits ggml computes (a Q4_K weight: 0.59 bytes a value
                       instead of 0.75 with float32 tables; Q6_K 1.16 instead of 1.5)
-The kernels widen them to float32 as they read.
+The kernels widen them to float32 as they read. A q8 weight whose offsets are all zero (GGUF's
+Q8_0, Q5_0 and Q6_K keep signed codes) may pass ``offsets=None``: the one-token kernels then
+never read the table (kernels.h, MW_NO_OFFSETS).
 
 All rows are contiguous and on the CPU; ``bias`` is float32 [N] or None.
 """
@@ -77,7 +79,7 @@ class PackedWeight:
 
 
 def check_packed(kind: str, k: int, codes: torch.Tensor, scales: torch.Tensor,
-                 offsets: torch.Tensor) -> tuple[int, int]:
+                 offsets: torch.Tensor | None) -> tuple[int, int]:
     """(rows, group) of a q4 or q8 weight with ``k`` inputs; LayoutError when the tensors do
     not hold that layout (the message names the tensor, its shape and what was expected)."""
     if k < 1:
@@ -100,7 +102,8 @@ def check_packed(kind: str, k: int, codes: torch.Tensor, scales: torch.Tensor,
     if scales is not None and scales.dim() == 3:  # two-level: offsets in the same superblocks
         shape = (n, *scales.shape[1:])
         _check_tensor(f"{kind} scales", scales, torch.uint8, shape)
-        _check_tensor(f"{kind} offsets", offsets, torch.uint8, shape)
+        if offsets is not None:  # None: all zero (the module docstring)
+            _check_tensor(f"{kind} offsets", offsets, torch.uint8, shape)
         if scales.shape[2] <= _D_BYTES + 1 or table_groups(scales) != k // group:
             raise LayoutError(f"{kind} two-level scales {list(scales.shape)}: need 2 or more "
                               f"sub-values after a {_D_BYTES}-byte d in each superblock, "
@@ -108,7 +111,8 @@ def check_packed(kind: str, k: int, codes: torch.Tensor, scales: torch.Tensor,
         return n, group
     scale_dtype = scales.dtype if scales is not None and scales.dtype in SCALE_DTYPES else torch.float32
     _check_tensor(f"{kind} scales", scales, scale_dtype, (n, k // group))
-    _check_tensor(f"{kind} offsets", offsets, scale_dtype, (n, k // group))
+    if offsets is not None:
+        _check_tensor(f"{kind} offsets", offsets, scale_dtype, (n, k // group))
     return n, group
 
 

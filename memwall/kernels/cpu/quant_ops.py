@@ -51,6 +51,11 @@ __all__ = ["INT_ACTS_MAX_TOKENS", "MAX_TOKENS", "available", "int8_dot_available
            "q8_dequantize", "q8_matmul", "set_int8_tiles", "set_int_acts"]
 
 
+def _ptr(table: torch.Tensor | None) -> int:
+    """A table's address for the kernels; 0 (NULL) for an offset table left out (all zero)."""
+    return 0 if table is None else table.data_ptr()
+
+
 def _lib() -> ctypes.CDLL:
     return build.require()
 
@@ -94,18 +99,19 @@ def int8_dot_available() -> bool:
     return available() and bool(_lib().mw_int8_dot_available())
 
 
-def q4_matmul(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+def q4_matmul(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
     """x float32 [M, K] (contiguous) -> [M, N] with the q4 layout's weight."""
     return _matmul("q4", x, codes, s, c)
 
 
-def q8_matmul(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """x float32 [M, K] (contiguous) -> [M, N] with the q8 layout's weight."""
+def q8_matmul(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
+    """x float32 [M, K] (contiguous) -> [M, N] with the q8 layout's weight; ``c`` None: its
+    offsets are all zero, and the kernels do not read them (layout.py)."""
     return _matmul("q8", x, codes, s, c)
 
 
 def _matmul(kind: str, x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor,
-            c: torch.Tensor) -> torch.Tensor:
+            c: torch.Tensor | None) -> torch.Tensor:
     """Past amx.MIN_TOKENS: split bf16 on AMX (amx.py) where it is faster and integer
     activations are on. Else up to INT_ACTS_MAX_TOKENS, and at any size where int8_tiles.c takes
     the weight's format (K-quants, Q4_0/Q4_1): q4_gemm / q8_gemm, which run the integer kernels
@@ -129,14 +135,14 @@ def _matmul(kind: str, x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor,
         gemm = lib.q4_gemm if kind == "q4" else lib.q8_gemm
         grouped = () if kind == "q4" else (group,)  # q4's blocks are always 32 wide
         # more than MAX_TOKENS only with integer activations
-        gemm(x.data_ptr(), m, k, *grouped, codes.data_ptr(), s.data_ptr(), c.data_ptr(),
+        gemm(x.data_ptr(), m, k, *grouped, codes.data_ptr(), s.data_ptr(), _ptr(c),
              y.data_ptr(), n, fmt)
         return y
     return tiles_matmul(kind, x, codes, s, c)
 
 
 def tiles_matmul(kind: str, x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor,
-                 c: torch.Tensor) -> torch.Tensor:
+                 c: torch.Tensor | None) -> torch.Tensor:
     """Any number of tokens in fp32: the 16-token tiles (AVX-512 builds), else the dequantized
     weight and BLAS. Unchecked: callers checked the layout."""
     k = x.shape[-1]
@@ -146,7 +152,7 @@ def tiles_matmul(kind: str, x: torch.Tensor, codes: torch.Tensor, s: torch.Tenso
     tiles = lib.q4_gemm_tiles if kind == "q4" else lib.q8_gemm_tiles
     grouped = () if kind == "q4" else (group,)
     if tiles(x.data_ptr(), x.shape[0], k, *grouped, codes.data_ptr(), s.data_ptr(),
-             c.data_ptr(), y.data_ptr(), n, scale_format(s)):
+             _ptr(c), y.data_ptr(), n, scale_format(s)):
         return y
     weight = q4_dequantize(codes, s, c, k) if kind == "q4" else q8_dequantize(codes, s, c)
     return _big_linear(x, weight)
@@ -159,22 +165,22 @@ def _big_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, w)
 
 
-def q4_dequantize(codes: torch.Tensor, s: torch.Tensor, c: torch.Tensor, k: int) -> torch.Tensor:
+def q4_dequantize(codes: torch.Tensor, s: torch.Tensor, c: torch.Tensor | None, k: int) -> torch.Tensor:
     """The q4 weight as float32 [N, K], each value s * q + c as the reference computes it."""
     n, _ = check_packed("q4", k, codes, s, c)
     w = torch.empty(n, k, dtype=torch.float32)
     if n:
-        _lib().q4_dequant(codes.data_ptr(), s.data_ptr(), c.data_ptr(), w.data_ptr(), n, k,
+        _lib().q4_dequant(codes.data_ptr(), s.data_ptr(), _ptr(c), w.data_ptr(), n, k,
                           scale_format(s))
     return w
 
 
-def q8_dequantize(codes: torch.Tensor, s: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+def q8_dequantize(codes: torch.Tensor, s: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
     """The q8 weight as float32 [N, K]."""
     k = codes.shape[-1]
     n, group = check_packed("q8", k, codes, s, c)
     w = torch.empty(n, k, dtype=torch.float32)
     if n:
-        _lib().q8_dequant(codes.data_ptr(), s.data_ptr(), c.data_ptr(), w.data_ptr(), n, k, group,
+        _lib().q8_dequant(codes.data_ptr(), s.data_ptr(), _ptr(c), w.data_ptr(), n, k, group,
                           scale_format(s))
     return w
