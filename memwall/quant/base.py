@@ -177,11 +177,12 @@ class QuantLinear(nn.Module):
     def offsets_or_none(self) -> torch.Tensor | None:
         """The offset table ``c``, or None when every entry is zero (GGUF Q8_0 / Q5_0 / Q6_K:
         the kernels then skip the offset term and never read the table). Checked once per
-        buffer and version, so a buffer replaced or written in place is checked again."""
+        buffer and version, so a buffer replaced or written in place is checked again (a
+        tensor made under inference_mode has no version: once per buffer)."""
         c = getattr(self, "c", None)
         if c is None:
             return None
-        key = (c.data_ptr(), c._version, c.shape)
+        key = (c.data_ptr(), c.shape, None if c.is_inference() else c._version)
         if getattr(self, "_offsets_key", None) != key:
             self._offsets_key, self._offsets_zero = key, not bool(c.any())
         return None if self._offsets_zero else c

@@ -106,3 +106,18 @@ def test_quant_linear_leaves_out_only_all_zero_offsets() -> None:
     layer.c.zero_()
     assert layer.offsets_or_none() is None
     assert torch.equal(layer(x), before)
+
+
+def test_quant_linear_made_under_inference_mode() -> None:
+    """Inference tensors keep no version counter: checked once per buffer, no error."""
+    from memwall.quant.base import QuantLinear
+    from memwall.quant.int8_cpu import NativeQ8
+
+    codes, s, zeros = _weight("q8", 640, 32, 1, narrow=True)
+    with torch.inference_mode():
+        layer = QuantLinear(NativeQ8().from_codes(codes.float(), s.float(), zeros.float(), "test"))
+        assert layer.offsets_or_none() is None
+        nonzero = QuantLinear(NativeQ8().from_codes(codes.float(), s.float(), zeros.float() + 0.5, "t"))
+        assert nonzero.offsets_or_none() is nonzero.c
+        x = torch.randn(2, 640)
+        assert torch.equal(layer(x), quant_ops.q8_matmul(x, layer.codes, layer.s, layer.c))
