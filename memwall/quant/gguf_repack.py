@@ -19,6 +19,9 @@ native (fp32, exact): every weight is rebuilt as s * q + c with ggml's own fp32 
                            (fp16 tables: s is d itself, c is 0)
     IQ4_XS              -> NativeQ8: codes KVALUES_IQ4NL[q], s = d*(ls-32)   1.09 B/weight
                            per 32
+    Q5_0, Q8_0, Q6_K, Q3_K, IQ4_NL and IQ4_XS keep signed codes and an all-zero c, which the
+    kernels do not read (QuantLinear.offsets_or_none): a decode step reads 1.0625 B/weight of
+    Q5_0 / Q8_0 / IQ4_NL, 1.08 of Q6_K / Q3_K.
     Q2_K, Q3_K and IQ4 take 2.6, 3.4 and 4.25-4.5 bits a weight in the file, so kept as int8
     codes they grow 2-5x (still at most 3/8 of fp32), and stay exact.
     Exact because s * q is exact in fp32 for all four (at most 11 + 5 + 7 = 23 significant
