@@ -12,8 +12,8 @@
 
 Attention, MLP and the weight loading are the Llama family's (memwall/models/llama.py); the
 decoder layer and the model differ. The fused CPU decode step (decode.c) computes Gemma 3's
-decode steps too, while no sequence is longer than the sliding window; past it, and for Gemma 2
-(soft-capped scores), this forward runs them (its matmuls still the native kernels).
+decode steps too, its sliding layers attending their window at any length; for Gemma 2
+(soft-capped scores) this forward runs them (its matmuls still the native kernels).
 """
 
 from __future__ import annotations

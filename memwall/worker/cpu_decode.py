@@ -22,10 +22,6 @@ class FusedCpuDecode:
 
     def __init__(self, model: torch.nn.Module, decoder) -> None:
         self.model, self.decoder = model, decoder
-        cfg = model.config
-        windows = [w for w in (cfg.layer_window(i) for i in range(cfg.num_hidden_layers)) if w]
-        self.max_len = min(windows) if windows else None
-        """decode.c attends every key: past the smallest sliding window the model runs instead."""
         self.embed_scale = getattr(model.model, "embed_scale", None)
         self.runs_lora = decoder.model.n_slots > 0
         """The decoder was built with the model's LoRA slots: steps with adapters run here too."""
@@ -40,8 +36,8 @@ class FusedCpuDecode:
         return cls(model, decoder) if decoder is not None else None
 
     def can_run(self, attn: AttentionMetadata) -> bool:
-        return (self.use_native_decode and not attn.prefill_seq_ids and attn.decode is not None
-                and (self.max_len is None or max(attn.seq_lens) <= self.max_len))
+        # sliding layers attend their window natively too (mw_layer.window), at any length
+        return self.use_native_decode and not attn.prefill_seq_ids and attn.decode is not None
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             attn: AttentionMetadata, hidden: torch.Tensor | None = None) -> torch.Tensor:

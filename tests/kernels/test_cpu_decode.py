@@ -90,22 +90,22 @@ def test_native_decode_matches_torch(tiny_model_dir, kind, quant):
 
 @torch.inference_mode()
 @pytest.mark.parametrize("quant", [None, "int4"])
-def test_native_decode_computes_gemma3_inside_its_window(tiny_model_dir, quant):
+def test_native_decode_computes_gemma3_across_its_window(tiny_model_dir, quant):
     """Sandwich norms, GeGLU, scaled embeddings, local and global rope tables; the tiny config's
-    window is 8 tokens: every sequence stays inside it, and one step past it is refused."""
+    window is 8 tokens: sequences start inside it and decode past it (the sliding layers then
+    attend their last 8 keys in C), one of them past a 128-key split of the attention."""
     loaded = load_model(str(tiny_model_dir("gemma3")))
     model = loaded.model
     if quant:
         model = copy.deepcopy(model)
         quantize_model(model, quant)
-    prompts = _prompts(loaded.arch.vocab_size, (2, 1, 3))
-    ref, _ = _run_steps(model, loaded.arch, prompts, 5, native_decode=False)
-    got, caches = _run_steps(model, loaded.arch, prompts, 5, native_decode=True)
+    prompts = _prompts(loaded.arch.vocab_size, (2, 1, 6, 126))
+    ref, _ = _run_steps(model, loaded.arch, prompts, 9, native_decode=False)
+    got, caches = _run_steps(model, loaded.arch, prompts, 9, native_decode=True)
     for a, b in zip(ref, got):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
     fused = FusedCpuDecode.build(model, caches)
-    assert fused.max_len == 8
-    assert not fused.can_run(AttentionMetadata.build([1], [9], [[0, 1, 2]], BLOCK))
+    assert fused.can_run(AttentionMetadata.build([1], [9], [[0, 1, 2]], BLOCK))
 
 
 def test_gemma2_softcaps_keep_the_model_path(tiny_model_dir):
@@ -140,6 +140,33 @@ def test_paged_decode_attention_reads_blocks_in_place():
         v = v_cache[table].flatten(0, 1)[:n].repeat_interleave(heads // kv_heads, dim=1)
         p = torch.softmax(torch.einsum("hd,thd->ht", q[b], k) * 0.25, dim=-1)
         torch.testing.assert_close(out[b], torch.einsum("ht,thd->hd", p, v), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 5, 8, 100, 129, 512])
+def test_paged_decode_attention_with_a_window(window):
+    """A sliding layer's rows attend their last `window` keys (a query at position p sees
+    p - window + 1 .. p), across 128-key splits and block edges; a window longer than the
+    context changes nothing."""
+    g = torch.Generator().manual_seed(window)
+    lengths, heads, kv_heads, dim = [1, 7, 9, 130, 300, 257], 4, 2, 16
+    blocks = sum(-(-n // BLOCK) for n in lengths) + 2
+    tables = _scattered_tables(lengths, blocks, seed=window)
+    width = max(len(t) for t in tables)
+    k_cache = torch.randn(blocks, BLOCK, kv_heads, dim, generator=g)
+    v_cache = torch.randn(blocks, BLOCK, kv_heads, dim, generator=g)
+    q = torch.randn(len(lengths), heads, dim, generator=g)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    out = paged_decode_attention(q, k_cache, v_cache, bt, torch.tensor(lengths), 0.25, window=window)
+    for b, (n, table) in enumerate(zip(lengths, tables)):
+        first = max(0, n - window)
+        k = k_cache[table].flatten(0, 1)[first:n].repeat_interleave(heads // kv_heads, dim=1)
+        v = v_cache[table].flatten(0, 1)[first:n].repeat_interleave(heads // kv_heads, dim=1)
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[b], k) * 0.25, dim=-1)
+        torch.testing.assert_close(out[b], torch.einsum("ht,thd->hd", p, v), atol=1e-5, rtol=1e-5)
+    # one row alone gives the same bits as in the batch
+    alone = paged_decode_attention(q[4:5], k_cache, v_cache, bt[4:5], torch.tensor(lengths[4:5]),
+                                   0.25, window=window)
+    assert torch.equal(alone[0], out[4])
 
 
 def test_unsupported_models_fall_back(tiny_model_dir):

@@ -207,7 +207,7 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "mw_paged_decode_attention": (i32, [p, p, p, p, i64, p, i64, i64, i64, i64, i64, i64,
                                             f32, p]),
         "mw_paged_decode_attention_kv": (i32, [p, p, p, p, p, i32, p, i64, p, i64, i64, i64,
-                                               i64, i64, i64, f32, p]),
+                                               i64, i64, i64, f32, i64, p]),
         "mw_kv_write": (i32, [p, i64, p, i64, i64, i64, i32, p, p]),
         "mw_decode_step": (i32, [p, p, i64, p, p, p, p, i64, p, p, p]),
         "mw_profile": (None, [i32, p]),

@@ -28,8 +28,8 @@
  * Gemma 3's layout is the same with three options: the attention and MLP outputs are normed
  * before they join the residual (attn_out_norm, ffn_out_norm), the gate is GeLU (tanh form)
  * instead of SiLU, and a layer may have rotary tables of its own (the sliding layers' local
- * base). Its sliding windows are not applied here: the caller runs this step only while no
- * sequence is longer than the window (memwall/worker/cpu_decode.py).
+ * base). A sliding layer's window goes to the attention (mw_layer.window): each row attends
+ * its last `window` keys, as the model's reference does, at any context length.
  *
  * KV cache layout per layer: [num_blocks, block_size, kv_heads, head_dim] in the model's
  * kv_type (float32, float16, bfloat16, int8 + scales, float8: paged_attention.c writes and
@@ -88,6 +88,7 @@ typedef struct {
     const float* rope_cos;      /* [max_positions, head_dim / 2] or NULL: the step's tables */
     const float* rope_sin;
     mw_lora_proj lora_qkv, lora_o, lora_gate_up, lora_down;
+    int64_t window;             /* a sliding layer's window (keys it attends), or 0: all */
 } mw_layer;
 
 typedef struct {
@@ -526,7 +527,7 @@ int mw_decode_step(const mw_model* m, float* x, int64_t B, const int64_t* positi
         STAGE(3, rc = mw_paged_attention_run(qbuf, L->k_cache, L->v_cache, L->k_scale,
                                              L->v_scale, (int)m->kv_type, block_tables,
                                              table_width, seq_lens, B, H, Hkv, D, m->block_size,
-                                             m->scale, attn));
+                                             m->scale, L->window, attn));
         if (rc != MW_OK) break;
         STAGE(4, proj_apply(&L->o, attn, B, act, Hd, tmp));
         STAGE(8, lora_apply(&L->lora_o, &lora, attn, act, Hd));

@@ -57,7 +57,7 @@ class Layer(ctypes.Structure):
                 ("k_cache", _p), ("v_cache", _p), ("k_scale", _p), ("v_scale", _p),
                 ("attn_out_norm", _p), ("ffn_out_norm", _p), ("rope_cos", _p), ("rope_sin", _p),
                 ("lora_qkv", LoRAProj), ("lora_o", LoRAProj), ("lora_gate_up", LoRAProj),
-                ("lora_down", LoRAProj)]
+                ("lora_down", LoRAProj), ("window", _i64)]
 
 
 class Model(ctypes.Structure):
@@ -194,6 +194,7 @@ class NativeDecoder:
                 entry.rope_cos, entry.rope_sin = cos.data_ptr(), sin.data_ptr()
             if hasattr(attn, "q_norm"):
                 entry.q_norm, entry.k_norm = _ptr(attn.q_norm.weight), _ptr(attn.k_norm.weight)
+            entry.window = getattr(attn, "window", None) or 0  # a sliding layer's (Gemma)
             for field, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj),
                                   ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
                 base, segments = unwrap(getattr(module, "inner", module))  # row-parallel: its
@@ -288,13 +289,14 @@ def _cache_ptrs(cache: torch.Tensor) -> tuple[int, int | None]:
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
-                           ) -> torch.Tensor:
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           window: int | None = None) -> torch.Tensor:
     """q [B, H, D] float32 -> [B, H, D]: each row attends over its sequence's blocks in place
     (no gather). k_cache, v_cache [num_blocks, block_size, kv_heads, D] of one format of
     kv_quant.NATIVE_CODES (int8 with its scales attached), H a multiple of kv_heads;
-    block_tables int64 [B, width], seq_lens int64 [B] in 1..width * block_size. Anything else
-    raises ValueError before C runs; B = 0 returns [0, H, D]."""
+    block_tables int64 [B, width], seq_lens int64 [B] in 1..width * block_size; ``window``: a
+    sliding layer's, each row then attends its last ``window`` keys. Anything else raises
+    ValueError before C runs; B = 0 returns [0, H, D]."""
     if q.dim() != 3 or q.dtype != torch.float32:
         raise ValueError(f"q must be float32 [B, heads, head_dim], got {q.dtype} {list(q.shape)}")
     b, h, d = q.shape
@@ -319,7 +321,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     rc = build.require().mw_paged_decode_attention_kv(
         q.data_ptr(), k_ptr, v_ptr, ks_ptr, vs_ptr, kv_quant.NATIVE_CODES[k_cache.dtype],
         tables.data_ptr(), tables.shape[1], lens.data_ptr(), b, h, kv_heads, d, block_size,
-        num_blocks, scale, out.data_ptr())
+        num_blocks, scale, window or 0, out.data_ptr())
     build.raise_for(rc, "paged_decode_attention")
     return out
 

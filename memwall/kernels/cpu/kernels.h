@@ -127,7 +127,8 @@ int mw_paged_attention_run(const float* q, const void* k_cache, const void* v_ca
                            const float* k_scales, const float* v_scales, int kv_type,
                            const int64_t* block_tables, int64_t table_width,
                            const int64_t* seq_lens, int64_t B, int64_t H, int64_t Hkv,
-                           int64_t D, int64_t block_size, float scale, float* out);
+                           int64_t D, int64_t block_size, float scale, int64_t window,
+                           float* out);
 int mw_paged_decode_attention(const float* q, const float* k_cache, const float* v_cache,
                               const int64_t* block_tables, int64_t table_width,
                               const int64_t* seq_lens, int64_t B, int64_t H, int64_t Hkv,
@@ -138,7 +139,7 @@ int mw_paged_decode_attention_kv(const float* q, const void* k_cache, const void
                                  const int64_t* block_tables, int64_t table_width,
                                  const int64_t* seq_lens, int64_t B, int64_t H, int64_t Hkv,
                                  int64_t D, int64_t block_size, int64_t num_blocks, float scale,
-                                 float* out);
+                                 int64_t window, float* out);
 /* x [n, Hkv, D] float -> cache rows slots[0..n-1] in kv_type (int8: scales too); MW_BAD_SLOT
  * for a slot outside 0..num_slots - 1 (nothing written) */
 int mw_kv_write(const float* x, int64_t n, const int64_t* slots, int64_t num_slots, int64_t Hkv,

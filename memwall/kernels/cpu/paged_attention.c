@@ -399,7 +399,10 @@ int mw_check_tables(const int64_t* block_tables, int64_t table_width, const int6
  * ranges of SPLIT_KEYS keys, threads take them, and the ranges' partial softmax sums are
  * merged in order (flash-decoding's split-K). The ranges depend on the row's own length only,
  * never on the batch, its runs or the thread count, so a row's result is the same bits in any
- * batch: verification reproduces the one-token steps exactly. Unchecked: mw_check_tables
+ * batch: verification reproduces the one-token steps exactly. window > 0 (a sliding layer,
+ * Gemma's): a row of length len attends keys len - window .. len - 1 only, as the model's
+ * reference does (a query at position p sees p - window + 1 .. p); each row is then a run of
+ * its own, and ranges wholly before its window are skipped. Unchecked: mw_check_tables
  * first (the decode step checks once for all its layers). Returns MW_OK or MW_OUT_OF_MEMORY. */
 #define SPLIT_KEYS 128
 #define MAX_RUN 17  /* rows a run takes at most: 1 + the most drafts a step verifies (16) */
@@ -418,7 +421,8 @@ int mw_paged_attention_run(const float* q, const void* k_cache, const void* v_ca
                            const float* k_scales, const float* v_scales, int kv_type,
                            const int64_t* block_tables, int64_t table_width,
                            const int64_t* seq_lens, int64_t B, int64_t H, int64_t Hkv,
-                           int64_t D, int64_t block_size, float scale, float* out) {
+                           int64_t D, int64_t block_size, float scale, int64_t window,
+                           float* out) {
     if (B <= 0 || H <= 0 || Hkv <= 0 || D <= 0) return MW_OK;
     const int64_t group = H / Hkv;
     int64_t max_len = 0;
@@ -437,7 +441,7 @@ int mw_paged_attention_run(const float* q, const void* k_cache, const void* v_ca
     int64_t runs = 0;
     for (int64_t b = 0; b < B;) {
         int64_t r = 1;
-        while (b + r < B && r < MAX_RUN &&
+        while (b + r < B && r < MAX_RUN && window <= 0 &&  /* a window: each row alone */
                continues_run(block_tables, table_width, seq_lens, b + r - 1, block_size))
             r++;
         run_first[runs] = b, run_rows[runs] = r, runs++;
@@ -468,7 +472,11 @@ int mw_paged_attention_run(const float* q, const void* k_cache, const void* v_ca
             const int64_t b0 = run_first[run], r = run_rows[run];
             const int64_t last = seq_lens[b0 + r - 1];
             const int whole = last <= SPLIT_KEYS;  /* every row of the run, as continues_run */
-            const int64_t t0 = sp * SPLIT_KEYS, t1 = t0 + SPLIT_KEYS < last ? t0 + SPLIT_KEYS : last;
+            /* a sliding window (a run of one row then): keys last - window .. last - 1 only,
+               so a range below them is empty and the one they start in starts there */
+            const int64_t first = window > 0 && last > window ? last - window : 0;
+            const int64_t t0 = sp * SPLIT_KEYS > first ? sp * SPLIT_KEYS : first;
+            const int64_t t1 = sp * SPLIT_KEYS + SPLIT_KEYS < last ? sp * SPLIT_KEYS + SPLIT_KEYS : last;
             if (whole && sp > 0) continue;
             if (t0 >= t1) {  /* an empty range (a shorter run): contributes nothing */
                 for (int64_t i = 0; i < r; i++) {
@@ -481,7 +489,7 @@ int mw_paged_attention_run(const float* q, const void* k_cache, const void* v_ca
             int64_t live = 0;
             for (int64_t i = 0; i < r; i++) {
                 const int64_t len = seq_lens[b0 + i];
-                const int64_t end = t0 + SPLIT_KEYS < len ? t0 + SPLIT_KEYS : len;
+                const int64_t end = t1 < len ? t1 : len;
                 if (end <= t0) continue;
                 memcpy(qs + live * group * D, q + ((b0 + i) * H + h * group) * D,
                        sizeof(float) * group * D);
@@ -564,11 +572,11 @@ int mw_paged_decode_attention_kv(const float* q, const void* k_cache, const void
                                  const int64_t* block_tables, int64_t table_width,
                                  const int64_t* seq_lens, int64_t B, int64_t H, int64_t Hkv,
                                  int64_t D, int64_t block_size, int64_t num_blocks, float scale,
-                                 float* out) {
+                                 int64_t window, float* out) {
     const int rc = mw_check_tables(block_tables, table_width, seq_lens, B, block_size, num_blocks);
     return rc != MW_OK ? rc : mw_paged_attention_run(q, k_cache, v_cache, k_scales, v_scales,
                                                      kv_type, block_tables, table_width, seq_lens,
-                                                     B, H, Hkv, D, block_size, scale, out);
+                                                     B, H, Hkv, D, block_size, scale, window, out);
 }
 
 int mw_paged_decode_attention(const float* q, const float* k_cache, const float* v_cache,
@@ -578,5 +586,5 @@ int mw_paged_decode_attention(const float* q, const float* k_cache, const float*
                               float* out) {
     return mw_paged_decode_attention_kv(q, k_cache, v_cache, NULL, NULL, MW_KV_F32, block_tables,
                                         table_width, seq_lens, B, H, Hkv, D, block_size,
-                                        num_blocks, scale, out);
+                                        num_blocks, scale, 0, out);
 }
