@@ -325,6 +325,18 @@ static inline __attribute__((always_inline)) float table1(const int fmt, const v
     return fmt == 0 ? ((const float*)row)[i] : mw_half_to_float(((const uint16_t*)row)[i]);
 }
 
+/* the offset term of a run of 8 groups for the TM tokens: off[m] += c[run] * xsum_m[m][run]
+ * (xsum_m rows `stride` apart); ct NULL: the offsets are all zero (MW_NO_OFFSETS, kernels.h) */
+static inline __attribute__((always_inline)) void offsets_run(
+        const int TM, const int fmt, const void* ct, int64_t unit, const float* xsum_m,
+        int64_t stride, __m256* off) {
+    if (!ct) return;
+    const __m256 c8 = table8(fmt, ct, unit);
+    #pragma GCC unroll 8
+    for (int m = 0; m < TM; m++)
+        off[m] = _mm256_fmadd_ps(c8, _mm256_loadu_ps(xsum_m + m * stride + unit * 8), off[m]);
+}
+
 /* y[m * N] for the TM tokens of a row_seq_*_tables kernel: its accumulators, offset vectors and
  * scalar tails. One accumulator a token, for every batch size, so a token's result does not
  * depend on what it was batched with (pipeline stages and the speculative verify batch
@@ -355,12 +367,7 @@ static inline __attribute__((always_inline)) void row_seq_q4_tables(
         _mm_prefetch((const char*)(q + SEQ_PREFETCH + 128 * unit), _MM_HINT_T0);
         _mm_prefetch((const char*)(q + SEQ_PREFETCH + 128 * unit + 64), _MM_HINT_T0);
         const __m256 s8 = table8(fmt, st, unit);
-        if (ct) {  /* no table: the offsets are all zero (MW_NO_OFFSETS, kernels.h) */
-            const __m256 c8 = table8(fmt, ct, unit);
-            #pragma GCC unroll 8
-            for (int m = 0; m < TM; m++)
-                off[m] = _mm256_fmadd_ps(c8, _mm256_loadu_ps(xsum_m + m * nb + unit * 8), off[m]);
-        }
+        offsets_run(TM, fmt, ct, unit, xsum_m, nb, off);
         #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) {
             const int64_t p = unit * 4 + j;
@@ -412,12 +419,7 @@ static inline __attribute__((always_inline)) void row_seq_q8_tables(
         for (int l = 0; l < per_run / 2; l++)  /* per_run * 32 bytes of codes, a line at a time */
             _mm_prefetch((const char*)(q + SEQ_PREFETCH + 32 * per_run * unit + 64 * l), _MM_HINT_T0);
         const __m256 s8 = table8(fmt, st, unit);
-        if (ct) {  /* no table: the offsets are all zero (MW_NO_OFFSETS, kernels.h) */
-            const __m256 c8 = table8(fmt, ct, unit);
-            #pragma GCC unroll 8
-            for (int m = 0; m < TM; m++)
-                off[m] = _mm256_fmadd_ps(c8, _mm256_loadu_ps(xsum_m + m * ng + unit * 8), off[m]);
-        }
+        offsets_run(TM, fmt, ct, unit, xsum_m, ng, off);
         #pragma GCC unroll 8
         for (int j = 0; j < per_run; j++) {
             const int64_t b = unit * per_run + j;
