@@ -87,12 +87,12 @@ class CpuBackend(TorchBackend):
             super()._write(k_cache, v_cache, k, v, meta)
 
     def forward(self, q, k_cache, v_cache, meta, scale, window=None, softcap=None) -> torch.Tensor:
-        """A sliding layer's decode rows run natively while the window hides no key (a context
-        no longer than the window); past it, and with a softcap, the reference runs them."""
+        """Decode rows run natively, a sliding layer's attending its last ``window`` keys;
+        with a softcap (Gemma 2) the reference runs them."""
         native = q.dtype == torch.float32 and k_cache.dtype in kv_quant.NATIVE_CODES
         return paged_torch.paged_attention(q, k_cache, v_cache, meta, scale,
                                            decode=_native_decode if native else None,
-                                           window=window, softcap=softcap)
+                                           window=window, softcap=softcap, decode_windows=native)
 
 
 class TritonBackend(AttentionBackend):
@@ -156,13 +156,16 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
     return get_backend(meta.backend).forward(q, k_cache, v_cache, meta, scale, window, softcap)
 
 
-def _native_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> None:
+def _native_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out,
+                   window: int | None = None) -> None:
     """The one-token rows of a CPU step through memwall/kernels/cpu/decode.c: each sequence's
-    blocks are read where they lie, where the torch reference gathers a padded copy of them."""
+    blocks are read where they lie, where the torch reference gathers a padded copy of them
+    (``window``: a sliding layer's, each row attending its last ``window`` keys)."""
     from memwall.kernels.cpu.decode import paged_decode_attention
     batch = meta.decode
     out[batch.token_index] = paged_decode_attention(q[batch.token_index], k_cache, v_cache,
-                                                    batch.block_tables, batch.seq_lens, scale)
+                                                    batch.block_tables, batch.seq_lens, scale,
+                                                    window=window)
 
 
 def to_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:

@@ -30,13 +30,16 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, decode=None, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, decode_windows: bool = False) -> torch.Tensor:
     """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim]. ``decode``: another
     implementation of ``_decode`` (same signature) for the one-token rows, e.g. a native kernel;
-    used unless a window cuts a decode row's keys or a softcap applies."""
+    used unless a softcap applies or a window cuts a decode row's keys and ``decode_windows``
+    is False (else ``decode`` takes ``window=`` too)."""
     out = torch.empty_like(q)
     if meta.decode_seq_ids:
-        if softcap is None and not window_cuts(meta, meta.decode_seq_ids, window):
+        if decode is not None and decode_windows and softcap is None:
+            decode(q, k_cache, v_cache, meta, scale, out, window=window)
+        elif softcap is None and not window_cuts(meta, meta.decode_seq_ids, window):
             (decode or _decode)(q, k_cache, v_cache, meta, scale, out)
         else:
             for seq in meta.decode_seq_ids:

@@ -190,9 +190,9 @@ def test_mixed_step_decode_rows_use_the_native_kernel():
     calls = []
     original = backend._native_decode
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         calls.append(1)
-        return original(*args)
+        return original(*args, **kwargs)
 
     backend._native_decode = spy
     try:
