@@ -25,14 +25,6 @@ SHAPES = [("q8", 640, 32, 1), ("q8", 576, 32, 1), ("q8", 96, 32, 0), ("q8", 512,
 N = 37  # rows: not a multiple of a row group or chunk
 
 
-@pytest.fixture
-def isa(isa_library):
-    name, cdll = isa_library
-    cdll.mw_set_int_acts(1)
-    yield name
-    cdll.mw_set_int_acts(1)
-
-
 def _weight(kind: str, k: int, group: int, fmt: int, narrow: bool):
     g = torch.Generator().manual_seed(k * 31 + fmt)
     if fmt == 16:
@@ -59,24 +51,27 @@ def _matmul(kind):
 @pytest.mark.parametrize("narrow", [False, True], ids=["q8_0", "q5_0"])
 @pytest.mark.parametrize("int_acts", [1, 0], ids=["int", "exact"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}-K{s[1]}-G{s[2]}-f{s[3]}")
-def test_no_offset_table_equals_a_table_of_zeros(isa, isa_library, shape, int_acts, narrow) -> None:
+def test_no_offset_table_equals_a_table_of_zeros(isa_library, shape, int_acts, narrow) -> None:
     kind, k, group, fmt = shape
     if kind == "q4" and narrow:
         pytest.skip("q4 codes have one range")
-    _, cdll = isa_library
-    cdll.mw_set_int_acts(int_acts)
+    isa, cdll = isa_library
     codes, s, zeros = _weight(kind, k, group, fmt, narrow)
     torch.manual_seed(0)
-    for m in TOKENS:
-        x = torch.randn(m, k) * 3
-        with_zeros = _matmul(kind)(x, codes, s, zeros)
-        without = _matmul(kind)(x, codes, s, None)
-        assert torch.equal(without, with_zeros), (isa, m)
-        assert with_zeros.abs().sum() > 0  # the scales did take part
+    cdll.mw_set_int_acts(int_acts)
+    try:
+        for m in TOKENS:
+            x = torch.randn(m, k) * 3
+            with_zeros = _matmul(kind)(x, codes, s, zeros)
+            without = _matmul(kind)(x, codes, s, None)
+            assert torch.equal(without, with_zeros), (isa, m)
+            assert with_zeros.abs().sum() > 0  # the scales did take part
+    finally:
+        cdll.mw_set_int_acts(1)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}-K{s[1]}-G{s[2]}-f{s[3]}")
-def test_dequantize_without_offsets(isa, shape) -> None:
+def test_dequantize_without_offsets(isa_library, shape) -> None:
     kind, k, group, fmt = shape
     codes, s, zeros = _weight(kind, k, group, fmt, narrow=False)
     if kind == "q4":
