@@ -92,7 +92,7 @@ class CpuBackend(TorchBackend):
         native = q.dtype == torch.float32 and k_cache.dtype in kv_quant.NATIVE_CODES
         return paged_torch.paged_attention(q, k_cache, v_cache, meta, scale,
                                            decode=_native_decode if native else None,
-                                           window=window, softcap=softcap, decode_windows=native)
+                                           window=window, softcap=softcap)
 
 
 class TritonBackend(AttentionBackend):

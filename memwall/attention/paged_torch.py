@@ -30,17 +30,16 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, decode=None, window: int | None = None,
-                    softcap: float | None = None, decode_windows: bool = False) -> torch.Tensor:
+                    softcap: float | None = None) -> torch.Tensor:
     """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim]. ``decode``: another
-    implementation of ``_decode`` (same signature) for the one-token rows, e.g. a native kernel;
-    used unless a softcap applies or a window cuts a decode row's keys and ``decode_windows``
-    is False (else ``decode`` takes ``window=`` too)."""
+    implementation of the one-token rows (``_decode``'s arguments and ``window=``, which it
+    applies itself), e.g. a native kernel; used unless a softcap applies."""
     out = torch.empty_like(q)
     if meta.decode_seq_ids:
-        if decode is not None and decode_windows and softcap is None:
+        if decode is not None and softcap is None:
             decode(q, k_cache, v_cache, meta, scale, out, window=window)
         elif softcap is None and not window_cuts(meta, meta.decode_seq_ids, window):
-            (decode or _decode)(q, k_cache, v_cache, meta, scale, out)
+            _decode(q, k_cache, v_cache, meta, scale, out)
         else:
             for seq in meta.decode_seq_ids:
                 _attend_one(q, k_cache, v_cache, meta, scale, out, seq, window, softcap)

@@ -31,7 +31,7 @@ import time
 import torch
 
 from memwall.kernels.cpu import build
-from memwall.kernels.cpu.layout import check_packed, scale_format
+from memwall.kernels.cpu.layout import check_packed, scale_format, table_ptr
 
 logger = logging.getLogger("memwall")
 
@@ -82,10 +82,10 @@ def split_weight(kind: str, k: int, codes: torch.Tensor, s: torch.Tensor,
     if n:
         lib = build.require()
         if kind == "q4":
-            lib.mw_q4_dequant_split(codes.data_ptr(), s.data_ptr(), 0 if c is None else c.data_ptr(), hi.data_ptr(),
+            lib.mw_q4_dequant_split(codes.data_ptr(), s.data_ptr(), table_ptr(c), hi.data_ptr(),
                                     lo.data_ptr(), n, k, scale_format(s))
         else:
-            lib.mw_q8_dequant_split(codes.data_ptr(), s.data_ptr(), 0 if c is None else c.data_ptr(), hi.data_ptr(),
+            lib.mw_q8_dequant_split(codes.data_ptr(), s.data_ptr(), table_ptr(c), hi.data_ptr(),
                                     lo.data_ptr(), n, k, group, scale_format(s))
     return hi, lo
 

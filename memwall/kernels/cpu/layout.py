@@ -116,6 +116,12 @@ def check_packed(kind: str, k: int, codes: torch.Tensor, scales: torch.Tensor,
     return n, group
 
 
+def table_ptr(table: torch.Tensor | None) -> int:
+    """A scale or offset table's address for the kernels; 0 (NULL) for an offset table left out
+    because it is all zero (the module docstring)."""
+    return 0 if table is None else table.data_ptr()
+
+
 def scale_format(table: torch.Tensor) -> int:
     """The kernels' ``half`` argument for a scale or offset table: 0 float32, 1 float16, E for
     a two-level table of E sub-values a superblock."""

@@ -36,7 +36,7 @@ import torch
 
 from memwall.kernels.cpu import amx, build
 from memwall.kernels.cpu.build import available
-from memwall.kernels.cpu.layout import check_input, check_packed, scale_format
+from memwall.kernels.cpu.layout import check_input, check_packed, scale_format, table_ptr
 
 MAX_TOKENS = 16  # MW_MAX_ROWS in kernels.h: larger batches go in tiles of this many tokens
 # Up to this many tokens the int16 kernels beat dequantize + BLAS; past it fp32 BLAS (near the
@@ -49,11 +49,6 @@ INT_ACTS_MAX_TOKENS = 256
 __all__ = ["INT_ACTS_MAX_TOKENS", "MAX_TOKENS", "available", "int8_dot_available", "int_acts_enabled",
            "int8_tiles_enabled", "int_gemm_isa", "q4_dequantize", "q4_matmul",
            "q8_dequantize", "q8_matmul", "set_int8_tiles", "set_int_acts"]
-
-
-def _ptr(table: torch.Tensor | None) -> int:
-    """A table's address for the kernels; 0 (NULL) for an offset table left out (all zero)."""
-    return 0 if table is None else table.data_ptr()
 
 
 def _lib() -> ctypes.CDLL:
@@ -135,7 +130,7 @@ def _matmul(kind: str, x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor,
         gemm = lib.q4_gemm if kind == "q4" else lib.q8_gemm
         grouped = () if kind == "q4" else (group,)  # q4's blocks are always 32 wide
         # more than MAX_TOKENS only with integer activations
-        gemm(x.data_ptr(), m, k, *grouped, codes.data_ptr(), s.data_ptr(), _ptr(c),
+        gemm(x.data_ptr(), m, k, *grouped, codes.data_ptr(), s.data_ptr(), table_ptr(c),
              y.data_ptr(), n, fmt)
         return y
     return tiles_matmul(kind, x, codes, s, c)
@@ -152,7 +147,7 @@ def tiles_matmul(kind: str, x: torch.Tensor, codes: torch.Tensor, s: torch.Tenso
     tiles = lib.q4_gemm_tiles if kind == "q4" else lib.q8_gemm_tiles
     grouped = () if kind == "q4" else (group,)
     if tiles(x.data_ptr(), x.shape[0], k, *grouped, codes.data_ptr(), s.data_ptr(),
-             _ptr(c), y.data_ptr(), n, scale_format(s)):
+             table_ptr(c), y.data_ptr(), n, scale_format(s)):
         return y
     weight = q4_dequantize(codes, s, c, k) if kind == "q4" else q8_dequantize(codes, s, c)
     return _big_linear(x, weight)
@@ -170,7 +165,7 @@ def q4_dequantize(codes: torch.Tensor, s: torch.Tensor, c: torch.Tensor | None, 
     n, _ = check_packed("q4", k, codes, s, c)
     w = torch.empty(n, k, dtype=torch.float32)
     if n:
-        _lib().q4_dequant(codes.data_ptr(), s.data_ptr(), _ptr(c), w.data_ptr(), n, k,
+        _lib().q4_dequant(codes.data_ptr(), s.data_ptr(), table_ptr(c), w.data_ptr(), n, k,
                           scale_format(s))
     return w
 
@@ -181,6 +176,6 @@ def q8_dequantize(codes: torch.Tensor, s: torch.Tensor, c: torch.Tensor | None) 
     n, group = check_packed("q8", k, codes, s, c)
     w = torch.empty(n, k, dtype=torch.float32)
     if n:
-        _lib().q8_dequant(codes.data_ptr(), s.data_ptr(), _ptr(c), w.data_ptr(), n, k, group,
+        _lib().q8_dequant(codes.data_ptr(), s.data_ptr(), table_ptr(c), w.data_ptr(), n, k, group,
                           scale_format(s))
     return w
