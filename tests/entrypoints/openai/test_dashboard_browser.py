@@ -28,7 +28,9 @@ KEY = "dash-key"
 PREFIX = "You are a helpful assistant. Answer in one short sentence, then stop. "
 # Eight requests of different lengths over four sequence slots: continuous batching refills a
 # slot as soon as a request ends, where a static batch would wait for its longest.
-MAX_TOKENS = [4, 20, 8, 16, 6, 24, 10, 12]
+# Lengths sized so the run spans many polls on a fast host too: at 24 tokens the whole batch
+# finished between two 0.25 s polls once decode passed ~90 tok/s (CI saw only two timeline states).
+MAX_TOKENS = [12, 60, 24, 48, 18, 72, 30, 36]
 DOM = """return {
   conn: document.getElementById('conn').textContent,
   running: Number(document.getElementById('k-running').textContent),
@@ -167,7 +169,7 @@ def test_dashboard_follows_live_requests(served, browser, tmp_path):
         seen.append(dom)
         if dom["running"] >= 3 and dom["rows"] >= 6 and not shot_taken:
             shot_taken = browser.save_screenshot(str(running_shot))
-        time.sleep(0.25)
+        time.sleep(0.05)
     assert not errors, errors
     # after the last step: no block held, the prompts' full blocks kept in the prefix cache
     final = wait_for(browser, lambda d: d["running"] == 0 and "U" not in d["states"]
