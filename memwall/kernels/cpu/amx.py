@@ -16,8 +16,8 @@ The weight is rebuilt from its codes for every call (8 bytes a value, never kept
 this pays only past MIN_TOKENS tokens: prefill chunks, not decode.
 
 ``enabled()``: the CPU lists amx_bf16, torch has oneDNN, and a one-time probe measured the
-split product faster than the fp32 tiles it replaces (a VM that hides AMX state, or a CPU
-without it, leaves the fp32 path). ``MEMWALL_AMX=0`` turns it off, ``=1`` skips the probe.
+split product faster than the kernel it replaces (the int16 panels where the build has AVX-512
+VNNI, else the fp32 tiles); a VM that hides AMX state, or a CPU without it, keeps that kernel. ``MEMWALL_AMX=0`` turns it off, ``=1`` skips the probe.
 """
 
 from __future__ import annotations
@@ -124,13 +124,14 @@ def enabled() -> bool:
         return False
     speedup = probe_speedup()
     on = speedup >= PROBE_MIN_SPEEDUP
-    logger.info("AMX split-bf16 prefill matmuls %s (probe: %.1fx the fp32 tiles)",
+    logger.info("AMX split-bf16 prefill matmuls %s (probe: %.1fx the kernel it replaces)",
                 "on" if on else "off", speedup)
     return on
 
 
 def probe_speedup() -> float:
-    """fp32 tiles' time / split bf16's on PROBE_SHAPE (best of 3 each, after a warm-up)."""
+    """The time of the kernel that runs without AMX (the int16 panels on AVX-512 VNNI, else the
+    fp32 tiles) / split bf16's on PROBE_SHAPE (best of 3 each, after a warm-up)."""
     from memwall.kernels.cpu import quant_ops
 
     m, k, n = PROBE_SHAPE
@@ -149,5 +150,8 @@ def probe_speedup() -> float:
             times.append(time.perf_counter() - start)
         return min(times)
 
-    fp32 = best(lambda: quant_ops.tiles_matmul("q4", x, codes, s, c))
-    return fp32 / best(lambda: matmul("q4", x, codes, s, c))
+    if quant_ops.panels_available() and quant_ops.int_acts_enabled():
+        other = best(lambda: quant_ops.native_gemm("q4", x, codes, s, c))
+    else:
+        other = best(lambda: quant_ops.tiles_matmul("q4", x, codes, s, c))
+    return other / best(lambda: matmul("q4", x, codes, s, c))

@@ -8,6 +8,8 @@
  *     int8_dot.c         q4/q8 matmuls of 1..MW_I8_MAX_ROWS tokens with int8-digit
  *                        activations (AVX512-VNNI)
  *     int8_tiles.c       prefill matmuls on K-quant weights with int8 activations (AVX2)
+ *     panel_gemm.c       q4/q8 matmuls of more than MW_I8_MAX_ROWS tokens with int16
+ *                        activations, 16 output rows across the lanes (AVX-512 VNNI)
  *     paged_attention.c  decode attention over paged KV blocks, read where they lie
  *     decode.c           the fused decode step: all layers of a Llama-family model in one call
  *     split_bf16.c       hi + lo bf16 operands for split-bf16 (AMX) prefill matmuls (amx.py)
@@ -109,6 +111,15 @@ int mw_q4_gemm_i8(const float* x, int64_t M, int64_t K, const uint8_t* codes, co
                   const void* c, float* y, int64_t N, int half);
 int mw_q8_gemm_i8(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
                   const void* s, const void* c, float* y, int64_t N, int half);
+
+/* panel_gemm.c: more than MW_I8_MAX_ROWS tokens on AVX-512 VNNI builds (int16 activations,
+ * a scale per 32 values); 0 when it cannot (no VNNI, integer activations off, K not a multiple
+ * of 32, out of memory) */
+int mw_panel_available(void);
+int mw_q4_gemm_p16(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s,
+                   const void* c, float* y, int64_t N, int half);
+int mw_q8_gemm_p16(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
+                   const void* s, const void* c, float* y, int64_t N, int half);
 
 /* split_bf16.c: a = hi + lo, hi = bf16(a) (nearest even), lo = a - hi, both as float32 */
 void mw_split_bf16(const float* x, int64_t n, float* hi, float* lo);

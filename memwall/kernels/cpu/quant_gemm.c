@@ -396,6 +396,7 @@ void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const v
     if (M == 1 && mw_q4_gemv_i8(x, K, codes, s, c, y, N, half)) return;  /* AVX-512 VNNI gemv */
     if (M <= MW_I8_MAX_ROWS && mw_q4_gemm_i8(x, M, K, codes, s, c, y, N, half)) return;
     if (mw_q4_gemm_i8t(x, M, K, codes, s, c, y, N, half)) return;  /* prefill, K-quants */
+    if (M > MW_I8_MAX_ROWS && mw_q4_gemm_p16(x, M, K, codes, s, c, y, N, half)) return;  /* VNNI */
     if (tiles_pay(M) && q4_gemm_tiles(x, M, K, codes, s, c, y, N, half)) return;
     if (mw_q4_gemm_i16(x, M, K, codes, s, c, y, N, half)) return;        /* int16 activations */
     mw_f32_tables t = mw_tables_f32(s, c, N * (K / 32), half);
@@ -409,6 +410,7 @@ void q8_gemm(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* code
     if (M == 1 && mw_q8_gemv_i8(x, K, G, codes, s, c, y, N, half)) return;
     if (M <= MW_I8_MAX_ROWS && mw_q8_gemm_i8(x, M, K, G, codes, s, c, y, N, half)) return;
     if (mw_q8_gemm_i8t(x, M, K, G, codes, s, c, y, N, half)) return;
+    if (M > MW_I8_MAX_ROWS && mw_q8_gemm_p16(x, M, K, G, codes, s, c, y, N, half)) return;
     if (tiles_pay(M) && q8_gemm_tiles(x, M, K, G, codes, s, c, y, N, half)) return;
     if (mw_q8_gemm_i16(x, M, K, G, codes, s, c, y, N, half)) return;
     mw_f32_tables t = mw_tables_f32(s, c, N * (K / G), half);

@@ -6,6 +6,9 @@ functions, for weights in the q4/q8 layouts of layout.py: ``x`` float32 [M, K] (
     M = 1..8         on AVX512-VNNI: int8_dot.c's two int8 digits a value, each row as that
                      token alone gets it (batch-invariant: speculative verification reproduces
                      one-token decoding); elsewhere as below
+    M > 8            on AVX512-VNNI: int16 activations with 16 output rows across the lanes
+                     (panel_gemm.c) at any size, while integer activations are on (K-quants and
+                     Q5_0 / Q5_1 take int8_tiles.c first, as below)
     M = 1..256       int16 activations (int_gemm.c: AVX2 vpmaddwd, AVX-512 VNNI vpdpwssd, plain
                      C; AVX-512 builds: below ``tiles_from()``, 16 tokens a thread, from there
                      the exact fp32 tiles, which are faster) while ``set_int_acts(True)`` (the
@@ -47,7 +50,7 @@ MAX_TOKENS = 16  # MW_MAX_ROWS in kernels.h: larger batches go in tiles of this 
 INT_ACTS_MAX_TOKENS = 256
 
 __all__ = ["INT_ACTS_MAX_TOKENS", "MAX_TOKENS", "available", "int8_dot_available", "int_acts_enabled",
-           "int8_tiles_enabled", "int_gemm_isa", "q4_dequantize", "q4_matmul",
+           "int8_tiles_enabled", "int_gemm_isa", "native_gemm", "panels_available", "q4_dequantize", "q4_matmul",
            "q8_dequantize", "q8_matmul", "set_int8_tiles", "set_int_acts"]
 
 
@@ -108,9 +111,10 @@ def q8_matmul(x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, c: torch.Te
 def _matmul(kind: str, x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor,
             c: torch.Tensor | None) -> torch.Tensor:
     """Past amx.MIN_TOKENS: split bf16 on AMX (amx.py) where it is faster and integer
-    activations are on. Else up to INT_ACTS_MAX_TOKENS, and at any size where int8_tiles.c takes
-    the weight's format (K-quants, Q4_0/Q4_1): q4_gemm / q8_gemm, which run the integer kernels
-    while on (else the exact fp32 row kernels); else the fp32 tiles (``tiles_matmul``)."""
+    activations are on. Else up to INT_ACTS_MAX_TOKENS, and at any size where panel_gemm.c
+    (AVX-512 VNNI) or int8_tiles.c (the weight's format: K-quants, Q5_0/Q5_1) takes it:
+    q4_gemm / q8_gemm, which run the integer kernels while on (else the exact fp32 row
+    kernels); else the fp32 tiles (``tiles_matmul``)."""
     k = x.shape[-1]
     n, group = check_packed(kind, k, codes, s, c)
     check_input(x, k, f"{kind}_matmul")
@@ -124,16 +128,38 @@ def _matmul(kind: str, x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor,
         return amx.matmul(kind, x, codes, s, c)
     small = m <= (INT_ACTS_MAX_TOKENS if int_acts else MAX_TOKENS)
     # int8_tiles.c beat dequantize + BLAS at every prefill size measured (AMD EPYC Zen 3: 1.4-2.1x
-    # the int16 kernels, 0.4-0.7x BLAS's time at 512 tokens), so its formats skip the BLAS copy
-    if small or (int_acts and lib.mw_int8_tiles_fit(int(kind == "q4"), k, group, fmt)):
-        y = torch.empty(m, n, dtype=torch.float32)
-        gemm = lib.q4_gemm if kind == "q4" else lib.q8_gemm
-        grouped = () if kind == "q4" else (group,)  # q4's blocks are always 32 wide
-        # more than MAX_TOKENS only with integer activations
-        gemm(x.data_ptr(), m, k, *grouped, codes.data_ptr(), s.data_ptr(), table_ptr(c),
-             y.data_ptr(), n, fmt)
-        return y
+    # the int16 kernels, 0.4-0.7x BLAS's time at 512 tokens), and panel_gemm.c's int16 panels
+    # (AVX-512 VNNI) ran at 3.1x the fp32 tiles on 480 tokens (AMD EPYC Zen 4), so their
+    # formats skip the BLAS copy
+    if small or (int_acts and (panels_available() or
+                               lib.mw_int8_tiles_fit(int(kind == "q4"), k, group, fmt))):
+        return _gemm(kind, x, k, n, group, codes, s, c, fmt)
     return tiles_matmul(kind, x, codes, s, c)
+
+
+def panels_available() -> bool:
+    """Whether this build has panel_gemm.c's AVX-512 VNNI kernels (more than 8 tokens)."""
+    return available() and bool(_lib().mw_panel_available())
+
+
+def native_gemm(kind: str, x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor,
+                c: torch.Tensor | None) -> torch.Tensor:
+    """q4_gemm / q8_gemm: the C library's own choice of kernel for this batch (int8 digits, int8
+    tiles, int16 panels or rows, fp32 tiles, exact rows; more than MAX_TOKENS tokens only with
+    integer activations). Unchecked: callers checked the layout."""
+    k = x.shape[-1]
+    n, group = check_packed(kind, k, codes, s, c)
+    return _gemm(kind, x, k, n, group, codes, s, c, scale_format(s))
+
+
+def _gemm(kind: str, x: torch.Tensor, k: int, n: int, group: int, codes: torch.Tensor,
+          s: torch.Tensor, c: torch.Tensor | None, fmt: int) -> torch.Tensor:
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    gemm = _lib().q4_gemm if kind == "q4" else _lib().q8_gemm
+    grouped = () if kind == "q4" else (group,)  # q4's blocks are always 32 wide
+    gemm(x.data_ptr(), x.shape[0], k, *grouped, codes.data_ptr(), s.data_ptr(), table_ptr(c),
+         y.data_ptr(), n, fmt)
+    return y
 
 
 def tiles_matmul(kind: str, x: torch.Tensor, codes: torch.Tensor, s: torch.Tensor,
