@@ -121,8 +121,9 @@ def test_each_backend_builds_its_own_metadata_and_the_cpu_backend_matches_the_re
     ref = torch_b.forward(q, k_cache, v_cache, ref_meta, 0.25)
     got = cpu_b.forward(q, k_cache, v_cache, cpu_meta, 0.25)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-    # a sliding layer (Gemma): the decode rows past the window attend natively, a prefill
-    # chunk in the same step through the reference; both as the torch backend computes them
+    # a sliding layer (Gemma): the decode rows past the window attend natively, and so does
+    # the prefill chunk in the same step where the build has the prefill kernel (AVX-512);
+    # both as the torch backend computes them
     for window in (3, 5, 39, 64):
         ref = torch_b.forward(q, k_cache, v_cache, ref_meta, 0.25, window=window)
         got = cpu_b.forward(q, k_cache, v_cache, cpu_meta, 0.25, window=window)

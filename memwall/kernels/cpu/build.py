@@ -60,6 +60,8 @@ _ERRORS = {
     -7: (TimeoutError, "timed out waiting for another tensor-parallel rank (it died or hangs)"),
     -8: (RuntimeError, "was aborted: a tensor-parallel rank failed (or the group was aborted); "
                        "the group cannot be used again"),
+    -9: (NotImplementedError, "has no kernel in this build for the shape (AVX-512, head_dim a "
+                              "multiple of 16)"),
 }
 
 
@@ -212,6 +214,9 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "mw_paged_decode_attention_kv": (i32, [p, p, p, p, p, i32, p, i64, p, i64, i64, i64,
                                                i64, i64, i64, f32, i64, p]),
         "mw_kv_write": (i32, [p, i64, p, i64, i64, i64, i32, p, p]),
+        "mw_prefill_attention_available": (i32, [i64]),
+        "mw_paged_prefill_attention": (i32, [p, p, p, p, p, i32, p, i64, i64, i64, i64, i64, i64,
+                                             i64, i64, f32, i64, p]),
         "mw_decode_step": (i32, [p, p, i64, p, p, p, p, i64, p, p, p]),
         "mw_profile": (None, [i32, p]),
         "mw_shm_bytes": (i64, [i64, i64]),

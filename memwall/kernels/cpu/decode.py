@@ -326,6 +326,49 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
+def prefill_attention_available(head_dim: int) -> bool:
+    """Whether this build has paged_attention.c's prefill kernel for ``head_dim`` (AVX-512,
+    a multiple of 16)."""
+    return build.available() and bool(build.require().mw_prefill_attention_available(head_dim))
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_table: torch.Tensor, seq_len: int, scale: float,
+                            window: int | None = None) -> torch.Tensor:
+    """One sequence's prefill chunk: q [Q, H, D] float32, the queries of positions
+    seq_len - Q .. seq_len - 1 (their K/V already in the cache), attends causally over the
+    blocks of ``block_table`` (int64 [width]) where they lie -> [Q, H, D]; ``window``: a
+    sliding layer's, each query its last ``window`` keys. Bad shapes, lengths or block ids
+    raise ValueError before C runs; a head_dim this build has no kernel for,
+    NotImplementedError (prefill_attention_available says which)."""
+    if q.dim() != 3 or q.dtype != torch.float32:
+        raise ValueError(f"q must be float32 [Q, heads, head_dim], got {q.dtype} {list(q.shape)}")
+    n, h, d = q.shape
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if (cache.dim() != 4 or cache.shape[3] != d or cache.shape != k_cache.shape
+                or cache.dtype != k_cache.dtype or not cache.is_contiguous()):
+            raise ValueError(f"{name} must be contiguous [blocks, block_size, kv_heads, {d}] of "
+                             f"k_cache's dtype, got {cache.dtype} {list(cache.shape)}")
+    try:
+        (k_ptr, ks_ptr), (v_ptr, vs_ptr) = _cache_ptrs(k_cache), _cache_ptrs(v_cache)
+    except Unsupported as e:
+        raise ValueError(f"paged_prefill_attention cannot read {e}") from e
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    if kv_heads < 1 or h % kv_heads:
+        raise ValueError(f"{h} query heads cannot share {kv_heads} KV heads evenly")
+    out = torch.empty(n, h, d, dtype=torch.float32)
+    if n == 0:
+        return out
+    q = q.contiguous()
+    table = _indices(block_table, "block_table", block_table.shape[0] if block_table.dim() else 0)
+    rc = build.require().mw_paged_prefill_attention(
+        q.data_ptr(), k_ptr, v_ptr, ks_ptr, vs_ptr, kv_quant.NATIVE_CODES[k_cache.dtype],
+        table.data_ptr(), table.shape[0], int(seq_len), n, h, kv_heads, d, block_size, num_blocks,
+        scale, window or 0, out.data_ptr())
+    build.raise_for(rc, "paged_prefill_attention")
+    return out
+
+
 def kv_write(cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
     """x [n, kv_heads, D] float32 -> the cache's slots in its format, through the C writer the
     fused decode step uses (kv_quant.write is its torch twin; tests hold them byte-equal)."""

@@ -58,6 +58,7 @@ enum {
     MW_BAD_LORA_SLOT = -6,  /* a token's LoRA slot outside -1..n_slots - 1 (decode.c) */
     MW_COMM_TIMEOUT = -7,   /* another tensor-parallel rank never arrived (shm_comm.c) */
     MW_COMM_ABORTED = -8,   /* the ranks' group was aborted: a rank timed out or failed */
+    MW_UNSUPPORTED = -9,    /* this build has no kernel for the shape (the caller's reference runs) */
 };
 
 /* quant_gemm.c: y [M, N] = x [M, K] @ W^T with W = s * q + c per block of K (row-major).
@@ -151,6 +152,16 @@ int mw_paged_decode_attention_kv(const float* q, const void* k_cache, const void
                                  const int64_t* seq_lens, int64_t B, int64_t H, int64_t Hkv,
                                  int64_t D, int64_t block_size, int64_t num_blocks, float scale,
                                  int64_t window, float* out);
+/* one sequence's prefill chunk q [Q, H, D] (positions seq_len - Q .. seq_len - 1, its K/V
+ * already written) attending causally over its blocks (table [table_width]; window > 0: each
+ * query its last `window` keys) -> out [Q, H, D]; MW_UNSUPPORTED where the build has no
+ * kernel for D (mw_prefill_attention_available), else as mw_paged_decode_attention_kv */
+int mw_prefill_attention_available(int64_t D);
+int mw_paged_prefill_attention(const float* q, const void* k_cache, const void* v_cache,
+                               const float* k_scales, const float* v_scales, int kv_type,
+                               const int64_t* table, int64_t table_width, int64_t seq_len,
+                               int64_t Q, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
+                               int64_t num_blocks, float scale, int64_t window, float* out);
 /* x [n, Hkv, D] float -> cache rows slots[0..n-1] in kv_type (int8: scales too); MW_BAD_SLOT
  * for a slot outside 0..num_slots - 1 (nothing written) */
 int mw_kv_write(const float* x, int64_t n, const int64_t* slots, int64_t num_slots, int64_t Hkv,
@@ -374,6 +385,36 @@ static inline void axpy_f32(float a, const float* x, float* y, int64_t n) {
 #endif
     for (; i < n; i++) y[i] += a * x[i];
 }
+
+#if defined(__AVX512F__)
+/* r[c] becomes column c of the 16 x 16 matrix of 32-bit elements whose rows were r[0..15]
+ * (64 shuffles: within 128-bit lanes by 32 and 64 bits, then across lanes twice); the panel
+ * matmuls' weights and the prefill attention's keys go through it */
+static inline void mw_transpose16(__m512i* r) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    /* b[4i + k], 128-bit lane L: column 4L + k, rows 4i .. 4i + 3 */
+    for (int i = 0; i < 4; i++) {
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int k = 0; k < 4; k++) {
+        const __m512i lo01 = _mm512_shuffle_i32x4(b[k], b[4 + k], _MM_SHUFFLE(1, 0, 1, 0));
+        const __m512i hi01 = _mm512_shuffle_i32x4(b[k], b[4 + k], _MM_SHUFFLE(3, 2, 3, 2));
+        const __m512i lo23 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], _MM_SHUFFLE(1, 0, 1, 0));
+        const __m512i hi23 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], _MM_SHUFFLE(3, 2, 3, 2));
+        r[k] = _mm512_shuffle_i32x4(lo01, lo23, _MM_SHUFFLE(2, 0, 2, 0));
+        r[4 + k] = _mm512_shuffle_i32x4(lo01, lo23, _MM_SHUFFLE(3, 1, 3, 1));
+        r[8 + k] = _mm512_shuffle_i32x4(hi01, hi23, _MM_SHUFFLE(2, 0, 2, 0));
+        r[12 + k] = _mm512_shuffle_i32x4(hi01, hi23, _MM_SHUFFLE(3, 1, 3, 1));
+    }
+}
+#endif
 
 /* e^x of 16 floats: Cephes' expf polynomial (relative error ~2e-7, as expf) with the power of
  * two applied by vscalefps */

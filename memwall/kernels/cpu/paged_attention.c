@@ -588,3 +588,242 @@ int mw_paged_decode_attention(const float* q, const float* k_cache, const float*
                                         table_width, seq_lens, B, H, Hkv, D, block_size,
                                         num_blocks, scale, 0, out);
 }
+
+/* ------------------------------------------------------------------ prefill chunks
+ *
+ * One sequence's prefill chunk: q [Q, H, D], the queries of positions seq_len - Q .. seq_len - 1,
+ * attends causally (and, with window > 0, to its last `window` keys) over keys 0 .. seq_len - 1
+ * where they lie in the paged cache (the chunk's own K/V already written), into out [Q, H, D].
+ *
+ * Why not the decode kernel: it scores one key at a time against a few query heads, with a
+ * reduction across lanes a key. Here a chunk of 16 keys is widened to float once, transposed
+ * (lanes = keys), and every query row of a tile meets it with D FMAs into one vector of 16
+ * scores (a query element broadcast); the values' 16 x D block then takes 16 FMAs per 16
+ * output dims a row. Flash attention's online softmax keeps a running max and sum a row, so
+ * each key chunk is read once per tile of PF_TILE positions x the KV head's query heads.
+ * fp32 throughout (the torch reference's precision); AVX-512 builds with D % 16 == 0, else
+ * MW_UNSUPPORTED (the caller runs the reference).
+ */
+#define PF_TILE 32  /* query positions a work item: with GQA's group, 32 x group rows share a key chunk */
+#define PF_ROWS 12  /* rows whose scores stay in registers at once */
+
+int mw_prefill_attention_available(int64_t D) {
+#if defined(__AVX512F__)
+    return D > 0 && D % 16 == 0 && D <= 512;
+#else
+    (void)D;
+    return 0;
+#endif
+}
+
+#if defined(__AVX512F__)
+/* keys t0 .. t0 + n - 1 (n <= 16) of KV head h as floats: rows [16][D] (rows past n zero;
+ * an int8 cache's scales applied) */
+MW_INLINE void load_chunk(const void* cache, const float* scales, int kt, const int64_t* table,
+                          int64_t block_size, int64_t Hkv, int64_t h, int64_t D, int64_t t0,
+                          int64_t n, float* rows) {
+    const int64_t row_bytes = D * kv_elem_size(kt);
+    for (int64_t i = 0; i < 16; i++) {
+        float* dst = rows + i * D;
+        if (i >= n) { memset(dst, 0, sizeof(float) * D); continue; }
+        const int64_t t = t0 + i;
+        const int64_t slot_row = (table[t / block_size] * block_size + t % block_size) * Hkv + h;
+        const void* src = (const char*)cache + slot_row * row_bytes;
+        const __m256 sc = _mm256_set1_ps(kt == MW_KV_I8 ? scales[slot_row] : 1.f);
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(kv_load8(src, d, kt), sc));
+    }
+}
+
+/* kt: [D][16], column i = key i (from rows [16][D]) */
+static void transpose_keys(const float* rows, int64_t D, float* kt) {
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        __m512i r[16];
+        for (int i = 0; i < 16; i++) r[i] = _mm512_castps_si512(_mm512_loadu_ps(rows + i * D + d0));
+        mw_transpose16(r);
+        for (int j = 0; j < 16; j++) _mm512_store_si512((__m512i*)(kt + (d0 + j) * 16), r[j]);
+    }
+}
+
+/* RN rows' scores against a key chunk: s[r] = sum_d q_r[d] * kt[d] (16 keys a vector) */
+MW_INLINE void chunk_scores(const int RN, const float* const* qr, const float* kt, int64_t D,
+                            __m512* s) {
+    for (int r = 0; r < RN; r++) s[r] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const __m512 k = _mm512_load_ps(kt + d * 16);
+        for (int r = 0; r < RN; r++) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(qr[r][d]), k, s[r]);
+    }
+}
+
+/* RN rows against one key chunk (kt: its keys transposed; vrows: its values [16][D], zero past
+ * the chunk's keys), flash attention's step: scores, each row's running max m and sum l
+ * updated (masks: the keys a row may see; none: it is left as it was), o rescaled and
+ * o += p . V. Rows are independent, so their exp and reductions overlap; two rows at a time
+ * share each value vector of the p . V pass. */
+MW_INLINE void chunk_rows(const int RN, const float* const* qr, const float* kt, const float* vrows,
+                          int64_t D, const __mmask16* masks, float scale, float* m, float* l,
+                          float* const* orow) {
+    __m512 s[PF_ROWS];
+    chunk_scores(RN, qr, kt, D, s);
+    float pk[PF_ROWS][16] __attribute__((aligned(64)));
+    float alpha[PF_ROWS];
+    for (int r = 0; r < RN; r++) {
+        const __m512 sv = _mm512_mul_ps(s[r], _mm512_set1_ps(scale));
+        const float mx = masks[r] ? _mm512_mask_reduce_max_ps(masks[r], sv) : -INFINITY;
+        const float m_new = mx > m[r] ? mx : m[r];
+        /* the running sums were taken against a smaller max (none yet: nothing to keep) */
+        alpha[r] = m_new > m[r] ? (m[r] == -INFINITY ? 0.f : expf(m[r] - m_new)) : 1.f;
+        const __m512 p = _mm512_maskz_mov_ps(masks[r], exp512(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
+        _mm512_store_ps(pk[r], p);
+        l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(p);
+        m[r] = m_new;
+    }
+    for (int r = 0; r < RN; r += 2) {
+        const int two = r + 1 < RN;
+        float* o0 = orow[r];
+        float* o1 = orow[two ? r + 1 : r];
+        const __m512 a0 = _mm512_set1_ps(alpha[r]), a1 = _mm512_set1_ps(alpha[two ? r + 1 : r]);
+        const float* p1 = pk[two ? r + 1 : r];
+        int64_t d = 0;
+        for (; d + 64 <= D; d += 64) {
+            __m512 x0[4], x1[4];
+            for (int c = 0; c < 4; c++) {
+                x0[c] = _mm512_mul_ps(a0, _mm512_loadu_ps(o0 + d + 16 * c));
+                x1[c] = _mm512_mul_ps(a1, _mm512_loadu_ps(o1 + d + 16 * c));
+            }
+            for (int i = 0; i < 16; i++) {
+                const __m512 b0 = _mm512_set1_ps(pk[r][i]), b1 = _mm512_set1_ps(p1[i]);
+                for (int c = 0; c < 4; c++) {
+                    const __m512 v = _mm512_loadu_ps(vrows + i * D + d + 16 * c);
+                    x0[c] = _mm512_fmadd_ps(b0, v, x0[c]);
+                    x1[c] = _mm512_fmadd_ps(b1, v, x1[c]);
+                }
+            }
+            for (int c = 0; c < 4; c++) {
+                _mm512_storeu_ps(o0 + d + 16 * c, x0[c]);
+                if (two) _mm512_storeu_ps(o1 + d + 16 * c, x1[c]);
+            }
+        }
+        for (; d < D; d += 16) {  /* head dims past a multiple of 64 */
+            __m512 x0 = _mm512_mul_ps(a0, _mm512_loadu_ps(o0 + d));
+            __m512 x1 = _mm512_mul_ps(a1, _mm512_loadu_ps(o1 + d));
+            for (int i = 0; i < 16; i++) {
+                const __m512 v = _mm512_loadu_ps(vrows + i * D + d);
+                x0 = _mm512_fmadd_ps(_mm512_set1_ps(pk[r][i]), v, x0);
+                x1 = _mm512_fmadd_ps(_mm512_set1_ps(p1[i]), v, x1);
+            }
+            _mm512_storeu_ps(o0 + d, x0);
+            if (two) _mm512_storeu_ps(o1 + d, x1);
+        }
+    }
+}
+
+/* one work item: KV head h, query positions p0 .. p0 + np - 1 (chunk rows), every query head
+ * of the group; scratch: o [np * group][D], ml [2 * np * group], kt [D * 16], vrows, krows [16 * D] */
+static void prefill_tile(const float* q, const void* k_cache, const void* v_cache,
+                         const float* k_scales, const float* v_scales, int kt_type,
+                         const int64_t* table, int64_t first_query, int64_t p0, int64_t np,
+                         int64_t H, int64_t Hkv, int64_t h, int64_t D, int64_t block_size,
+                         float scale, int64_t window, float* o, float* ml, float* kt,
+                         float* krows, float* vrows, float* out) {
+    const int64_t group = H / Hkv, R = np * group;
+    float* m = ml;
+    float* l = ml + R;
+    memset(o, 0, sizeof(float) * R * D);
+    for (int64_t r = 0; r < R; r++) { m[r] = -INFINITY; l[r] = 0.f; }
+    const int64_t pos_first = first_query + p0, pos_last = pos_first + np - 1;
+    const int64_t kmin = window > 0 && pos_first - window + 1 > 0 ? pos_first - window + 1 : 0;
+    const int64_t kend = pos_last + 1;
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t t0 = kmin; t0 < kend; t0 += 16) {
+        const int64_t n = kend - t0 < 16 ? kend - t0 : 16;
+        load_chunk(k_cache, k_scales, kt_type, table, block_size, Hkv, h, D, t0, n, krows);
+        transpose_keys(krows, D, kt);
+        load_chunk(v_cache, v_scales, kt_type, table, block_size, Hkv, h, D, t0, n, vrows);
+        const __m512i keypos = _mm512_add_epi32(_mm512_set1_epi32((int)t0), lane);
+        for (int64_t r0 = 0; r0 < R; r0 += PF_ROWS) {
+            const int64_t rn = R - r0 < PF_ROWS ? R - r0 : PF_ROWS;
+            /* rows are (position, head) with the head fastest: a sub-batch whose last position
+               is before the chunk sees none of it (causal), nor one whose first position's
+               window ends after it */
+            const int64_t pos_lo = pos_first + r0 / group, pos_hi = pos_first + (r0 + rn - 1) / group;
+            if (t0 > pos_hi) continue;
+            if (window > 0 && t0 + n - 1 <= pos_lo - window) continue;
+            const float* qr[PF_ROWS];
+            for (int64_t r = 0; r < rn; r++) {
+                const int64_t row = r0 + r, pos = row / group, j = row % group;
+                qr[r] = q + ((p0 + pos) * H + h * group + j) * D;
+            }
+            __mmask16 masks[PF_ROWS];
+            float* orows[PF_ROWS];
+            for (int64_t r = 0; r < rn; r++) {
+                const int64_t row = r0 + r, pos = pos_first + row / group;
+                /* keys t <= pos, t > pos - window, and real (lane < n) */
+                __mmask16 mask = _mm512_cmple_epi32_mask(keypos, _mm512_set1_epi32((int)pos));
+                mask &= (__mmask16)((1u << n) - 1u);
+                if (window > 0)
+                    mask &= _mm512_cmpgt_epi32_mask(keypos, _mm512_set1_epi32((int)(pos - window)));
+                masks[r] = mask;
+                orows[r] = o + row * D;
+            }
+            switch (rn) {
+#define PF_CASE(k) case k: chunk_rows(k, qr, kt, vrows, D, masks, scale, m + r0, l + r0, orows); break;
+            PF_CASE(1) PF_CASE(2) PF_CASE(3) PF_CASE(4) PF_CASE(5) PF_CASE(6)
+            PF_CASE(7) PF_CASE(8) PF_CASE(9) PF_CASE(10) PF_CASE(11)
+            default: chunk_rows(PF_ROWS, qr, kt, vrows, D, masks, scale, m + r0, l + r0, orows); break;
+#undef PF_CASE
+            }
+        }
+    }
+    for (int64_t row = 0; row < R; row++) {
+        const int64_t pos = row / group, j = row % group;
+        float* dst = out + ((p0 + pos) * H + h * group + j) * D;
+        const __m512 inv = _mm512_set1_ps(1.f / l[row]);  /* every row sees its own key: l > 0 */
+        for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_ps(dst + d, _mm512_mul_ps(inv, _mm512_loadu_ps(o + row * D + d)));
+    }
+}
+#endif
+
+int mw_paged_prefill_attention(const float* q, const void* k_cache, const void* v_cache,
+                               const float* k_scales, const float* v_scales, int kv_type,
+                               const int64_t* table, int64_t table_width, int64_t seq_len,
+                               int64_t Q, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
+                               int64_t num_blocks, float scale, int64_t window, float* out) {
+    if (Q <= 0 || H <= 0) return MW_OK;
+    if (!mw_prefill_attention_available(D) || Hkv <= 0 || H % Hkv) return MW_UNSUPPORTED;
+    if (seq_len < Q || seq_len > table_width * block_size) return MW_BAD_SEQ_LEN;
+    const int rc = mw_check_tables(table, table_width, &seq_len, 1, block_size, num_blocks);
+    if (rc != MW_OK) return rc;
+#if defined(__AVX512F__)
+    const int64_t group = H / Hkv, tiles = (Q + PF_TILE - 1) / PF_TILE;
+    int failed = 0;
+    #pragma omp parallel
+    {
+        const int64_t R = PF_TILE * group;
+        const int64_t ml_floats = (2 * R + 15) / 16 * 16;  /* keeps the key chunk 64-byte aligned */
+        float* o = (float*)aligned_alloc(64, sizeof(float) * (size_t)(R * D + ml_floats + 16 * D * 3));
+        if (!o) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        /* later tiles have more keys: the last ones first, then dynamic */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < tiles * Hkv; it++) {
+            if (!o) continue;
+            const int64_t tile = tiles - 1 - it / Hkv, h = it % Hkv;
+            const int64_t p0 = tile * PF_TILE, np = Q - p0 < PF_TILE ? Q - p0 : PF_TILE;
+            float* ml = o + R * D;
+            float* kt = ml + ml_floats;
+            prefill_tile(q, k_cache, v_cache, k_scales, v_scales, kv_type, table, seq_len - Q, p0,
+                         np, H, Hkv, h, D, block_size, scale, window, o, ml, kt, kt + 16 * D,
+                         kt + 32 * D, out);
+        }
+        free(o);
+    }
+    return failed ? MW_OUT_OF_MEMORY : MW_OK;
+#else
+    (void)q; (void)k_cache; (void)v_cache; (void)k_scales; (void)v_scales; (void)kv_type;
+    (void)scale; (void)window; (void)out;
+    return MW_UNSUPPORTED;
+#endif
+}

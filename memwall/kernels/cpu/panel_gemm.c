@@ -99,32 +99,6 @@ static int quantize_p16(const float* x, int64_t M, int64_t K, int64_t G, p16acts
     return 1;
 }
 
-/* out[c] = column c of the 16 x 16 dword matrix whose rows are r[0..15] (in place) */
-static inline void transpose16(__m512i* r) {
-    __m512i a[16], b[16];
-    for (int i = 0; i < 8; i++) {
-        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    /* b[4i + k], 128-bit lane L: column 4L + k, rows 4i .. 4i + 3 */
-    for (int i = 0; i < 4; i++) {
-        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-    }
-    for (int k = 0; k < 4; k++) {
-        const __m512i lo01 = _mm512_shuffle_i32x4(b[k], b[4 + k], _MM_SHUFFLE(1, 0, 1, 0));
-        const __m512i hi01 = _mm512_shuffle_i32x4(b[k], b[4 + k], _MM_SHUFFLE(3, 2, 3, 2));
-        const __m512i lo23 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], _MM_SHUFFLE(1, 0, 1, 0));
-        const __m512i hi23 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], _MM_SHUFFLE(3, 2, 3, 2));
-        r[k] = _mm512_shuffle_i32x4(lo01, lo23, _MM_SHUFFLE(2, 0, 2, 0));
-        r[4 + k] = _mm512_shuffle_i32x4(lo01, lo23, _MM_SHUFFLE(3, 1, 3, 1));
-        r[8 + k] = _mm512_shuffle_i32x4(hi01, hi23, _MM_SHUFFLE(2, 0, 2, 0));
-        r[12 + k] = _mm512_shuffle_i32x4(hi01, hi23, _MM_SHUFFLE(3, 1, 3, 1));
-    }
-}
-
 /* Rows n0 .. n0 + rows - 1 (rows <= 16; the lanes past them zero) in the panel layout:
  * W[k / 2] holds, in lane r, inputs k and k + 1 of row n0 + r as int16; S[g] / C[g] the rows'
  * scales / offsets of group g as float (C NULL-equivalent: *has_off 0 when all are zero).
@@ -147,7 +121,7 @@ static void unpack_panel(int is_q4, const uint8_t* codes, int64_t K, int64_t G, 
                 r[i] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(q + b * 32)));
             }
         }
-        transpose16(r);
+        mw_transpose16(r);
         for (int j = 0; j < PANEL; j++) _mm512_store_si512(W + b * PANEL + j, r[j]);
     }
     /* the tables, row by row into tmp, then lane by lane */
