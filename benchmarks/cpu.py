@@ -2,12 +2,15 @@
 
     python benchmarks/cpu.py [--model GGUF] [--threads 2] [--decode-tokens 128] [--prompt-tokens 512]
                              [--batch-requests 16] [--engines memwall,transformers,llama.cpp]
+                             [--rounds 3]
 
 Each engine runs in its own subprocess (so its peak RSS is its own), pinned to the same cores
 with the same thread count. Reported: B=1 decode tokens/s, prefill tokens/s for a
 ``--prompt-tokens`` prompt, batch throughput (output tokens/s for ``--batch-requests``
 requests: memwall serves them together, transformers runs generate() for one after another),
-peak RSS. Ratios are memwall / baseline. Writes JSON to benchmarks/results/cpu-<time>.json
+peak RSS. The engines run --rounds times, interleaved; the table shows each figure's median
+and the ratios memwall / baseline of each round (measured minutes apart at most) with their
+median. Writes JSON to benchmarks/results/cpu-<time>.json
 with the CPU model. llama.cpp comes from scripts/setup-baselines (skipped with a note if it is
 not built); its concurrent serving is compared by benchmarks/serve.py.
 """
@@ -19,6 +22,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -194,6 +198,10 @@ def main() -> None:
     parser.add_argument("--hf-batch-requests", type=int, default=4,
                         help="transformers' sequential run times this many of the requests "
                              "(its throughput does not depend on how many)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="run the engines this many times, interleaved (A B A B ...), and "
+                             "report each figure's median: a VM's speed drifts by 10-30%% over "
+                             "minutes, so one run of each engine at different times misleads")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -204,18 +212,54 @@ def main() -> None:
         args.model = str(embedded_model_path())
     batch = {"requests": args.batch_requests, "prompt_tokens": args.batch_prompt_tokens,
              "output_tokens": args.batch_output_tokens, "hf_requests": args.hf_batch_requests}
-    results = {}
-    for engine in args.engines.split(","):
-        print(f"running {engine} ...", file=sys.stderr, flush=True)
-        extra = {"batch": batch} if args.batch_requests else {}
-        results[engine] = run_llama_cpp(args) if engine == "llama.cpp" else run_worker(engine, args, extra)
+    engines = args.engines.split(",")
+    rounds: list[dict] = []
+    for i in range(max(1, args.rounds)):
+        per_engine = {}
+        for engine in engines:
+            print(f"round {i + 1}/{args.rounds}: running {engine} ...", file=sys.stderr, flush=True)
+            extra = {"batch": batch} if args.batch_requests else {}
+            per_engine[engine] = (run_llama_cpp(args) if engine == "llama.cpp"
+                                  else run_worker(engine, args, extra))
+        rounds.append(per_engine)
     report = {"cpu": cpu_model(), "threads": args.threads, "model": Path(args.model).name,
               "decode_tokens": args.decode_tokens, "prompt_tokens": args.prompt_tokens,
-              "batch": batch,
-              "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": results}
+              "batch": batch, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+              "results": {e: median_result([r[e] for r in rounds]) for e in engines},
+              "round_ratios": round_ratios(rounds), "rounds": rounds}
     print_table(report)
     out = write_result("cpu", report)
     print(f"\nwrote {out.relative_to(ROOT)}")
+
+
+METRICS = ("decode_tok_s", "prefill_tok_s", "batch_tok_s", "peak_rss_mb")
+
+
+def median_result(runs: list[dict]) -> dict:
+    """Each metric's median over the rounds that measured it (an error only if all failed)."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[0]
+    out = {}
+    for key in {k for r in ok for k in r}:
+        values = [r[key] for r in ok if isinstance(r.get(key), (int, float))]
+        out[key] = statistics.median(values) if values else ok[0].get(key)
+    return out
+
+
+def round_ratios(rounds: list[dict]) -> dict:
+    """memwall / each baseline, per round (both measured minutes apart at most) and their
+    median: the figure to quote."""
+    out = {}
+    for base in {e for r in rounds for e in r if e != "memwall"}:
+        per_key = {}
+        for key in METRICS[:3]:
+            values = [r["memwall"][key] / r[base][key] for r in rounds
+                      if "memwall" in r and base in r and r["memwall"].get(key) and r[base].get(key)]
+            if values:
+                per_key[key] = {"per_round": values, "median": statistics.median(values)}
+        out[base] = per_key
+    return out
 
 
 def print_table(report: dict) -> None:
@@ -244,7 +288,12 @@ def print_table(report: dict) -> None:
                  (("decode_tok_s", "decode"), ("prefill_tok_s", "prefill"),
                   ("batch_tok_s", "batch throughput"), ("peak_rss_mb", "RSS"))
                  if r.get(key) and ours.get(key)]
-        print(f"memwall / {base}: " + ", ".join(parts))
+        print(f"memwall / {base} (medians): " + ", ".join(parts))
+    for base, per_key in (report.get("round_ratios") or {}).items():
+        if per_key:
+            print(f"memwall / {base}, round by round: " + "; ".join(
+                f"{key.removesuffix('_tok_s')} " + " ".join(f"{v:.2f}x" for v in r["per_round"])
+                + f" (median {r['median']:.2f}x)" for key, r in per_key.items()))
 
 
 if __name__ == "__main__":
