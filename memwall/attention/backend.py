@@ -180,12 +180,13 @@ def _native_prefill_available(head_dim: int) -> bool:
 
 
 def _native_prefill(q, k_cache, v_cache, block_table, seq_len: int, scale: float,
-                    window: int | None = None) -> torch.Tensor:
+                    window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """A prefill chunk through memwall/kernels/cpu/paged_attention.c: its blocks read where
     they lie (the reference gathers a float copy of the whole context for torch's SDPA);
     1.6x SDPA's speed at 512 tokens on a 2-core AMD EPYC (Zen 4)."""
     from memwall.kernels.cpu.decode import paged_prefill_attention
-    return paged_prefill_attention(q, k_cache, v_cache, block_table, seq_len, scale, window=window)
+    return paged_prefill_attention(q, k_cache, v_cache, block_table, seq_len, scale, window=window,
+                                   out=out)
 
 
 def to_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:

@@ -35,7 +35,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     implementation of the one-token rows (``_decode``'s arguments and ``window=``, which it
     applies itself), e.g. a native kernel; ``prefill``: one of a sequence's chunk
     (q [chunk, heads, head_dim], k_cache, v_cache, its block table row, its length, scale,
-    window=) -> [chunk, heads, head_dim]. Both are used unless a softcap applies."""
+    window=, out=: the rows of the result to write). Both are used unless a softcap applies."""
     out = torch.empty_like(q)
     if meta.decode_seq_ids:
         if decode is not None and softcap is None:
@@ -48,8 +48,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     for seq in meta.prefill_seq_ids:
         if prefill is not None and softcap is None:
             start, end = meta.query_start[seq], meta.query_start[seq + 1]
-            out[start:end] = prefill(q[start:end], k_cache, v_cache, meta.block_tables[seq],
-                                     meta.seq_lens[seq], scale, window=window)
+            prefill(q[start:end], k_cache, v_cache, meta.block_tables[seq], meta.seq_lens[seq],
+                    scale, window=window, out=out[start:end])
         else:
             _attend_one(q, k_cache, v_cache, meta, scale, out, seq, window, softcap)
     return out

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from memwall.kernels.cpu import elementwise
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     """Llama 3.1's wavelength-dependent scaling: long wavelengths are slowed by ``factor``."""
@@ -74,20 +76,44 @@ class RotaryEmbedding(nn.Module):
         for name in ("cos", "sin", "cos_full", "sin_signed"):
             setattr(self, name, getattr(self, name)[:max_positions].clone())
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin rows for the step's positions, [tokens, 1, head_dim] each, in ``dtype``
-        (as HF does: the tables are float32, the rotation runs in the activations' dtype).
-
-        Done once per forward pass: every layer rotates at the same positions.
-        """
-        return (self.cos_full[positions].unsqueeze(1).to(dtype),
-                self.sin_signed[positions].unsqueeze(1).to(dtype))
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> "RopeRows":
+        """The step's rows of the tables (done once per forward pass: every layer rotates at
+        the same positions)."""
+        return RopeRows(self, positions, dtype)
 
     @staticmethod
-    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]; returns both rotated."""
-        cos, sin = cos_sin
+    def apply(rows: "RopeRows | tuple[torch.Tensor, torch.Tensor]", q: torch.Tensor,
+              k: torch.Tensor):
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]; returns both rotated.
+        float32 CPU q and k outside autograd are rotated in place by
+        memwall/kernels/cpu/elementwise.c (they are fresh projection outputs); else torch."""
+        if (isinstance(rows, RopeRows) and rows.native_ok and elementwise.usable(q, k)
+                and elementwise.rope_(q, rows.positions, rows.table.cos, rows.table.sin)
+                and elementwise.rope_(k, rows.positions, rows.table.cos, rows.table.sin)):
+            return q, k
+        cos, sin = rows.full() if isinstance(rows, RopeRows) else rows
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+class RopeRows:
+    """A step's positions against one RotaryEmbedding: the native path reads the half tables
+    at the positions itself; the torch path gathers full-width cos and sin rows
+    [tokens, 1, head_dim] in ``dtype`` once, on first use (as HF does: the tables are
+    float32, the rotation runs in the activations' dtype)."""
+
+    def __init__(self, table: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        self.table, self.positions, self.dtype = table, positions, dtype
+        self.native_ok = dtype == torch.float32 and table.cos.dtype == torch.float32
+        self._full: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def full(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._full is None:
+            self._full = (self.table.cos_full[self.positions].unsqueeze(1).to(self.dtype),
+                          self.table.sin_signed[self.positions].unsqueeze(1).to(self.dtype))
+        return self._full
+
+    def __iter__(self):  # cos, sin = rows (the tuple lookup() returned before)
+        return iter(self.full())
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

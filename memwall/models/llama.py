@@ -16,6 +16,7 @@ from torch import nn
 from memwall.attention.backend import AttentionBackend, get_backend
 from memwall.attention.metadata import AttentionMetadata
 from memwall.config import ModelArchConfig
+from memwall.kernels.cpu import elementwise
 from memwall.layers.norm import RMSNorm
 from memwall.layers.rotary import RotaryEmbedding
 
@@ -78,6 +79,7 @@ class MLP(nn.Module):
         if act not in ACTIVATIONS:
             raise ValueError(f"activation {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
         self.act = ACTIVATIONS[act]
+        self.act_name = act
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
@@ -86,7 +88,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            if gate_up.dim() == 2 and elementwise.usable(gate_up):  # one pass in C
+                return self.down_proj(elementwise.gated_act(gate_up, self.act_name))
+            gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(self.act(gate) * up)
@@ -101,8 +106,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+        normed, x = self.post_attention_layernorm.add_and_norm(x, attn)  # x + attn, its norm
+        return x + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):

@@ -56,6 +56,9 @@ def test_chunks_equal_the_reference(q_len, context) -> None:
     q, kc, vc, table, meta = _setup(seq_len, q_len, 9, 3, 64, 16, seed=q_len + context)
     got = paged_prefill_attention(q, kc, vc, table, seq_len, 0.125)
     torch.testing.assert_close(got, _reference(q, kc, vc, meta, 0.125), atol=2e-6, rtol=1e-5)
+    into = torch.full((q_len + 2, 9, 64), 7.0)  # the rows of a bigger step's output
+    assert paged_prefill_attention(q, kc, vc, table, seq_len, 0.125, out=into[1:-1]) is not None
+    assert torch.equal(into[1:-1], got) and (into[0] == 7).all() and (into[-1] == 7).all()
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (8, 2)])
@@ -111,6 +114,8 @@ def test_bad_input_raises_before_c_runs() -> None:
         paged_prefill_attention(torch.randn(20, 3, 64), kc, vc, table, 40, 0.125)
     with pytest.raises(ValueError, match="float32"):
         paged_prefill_attention(q.double(), kc, vc, table, 40, 0.125)
+    with pytest.raises(ValueError, match="out must be"):
+        paged_prefill_attention(q, kc, vc, table, 40, 0.125, out=torch.empty(20, 4, 32))
     assert paged_prefill_attention(q[:0], kc, vc, table, 40, 0.125).shape == (0, 4, 64)
     q72, kc72, vc72, t72, _ = _setup(8, 8, 2, 2, 72, 16)
     assert not prefill_attention_available(72)

@@ -30,7 +30,7 @@ logger = logging.getLogger("memwall")
 
 HERE = Path(__file__).resolve().parent
 SOURCES = ("quant_gemm.c", "int_gemm.c", "int8_dot.c", "int8_tiles.c", "panel_gemm.c",
-           "paged_attention.c", "decode.c", "split_bf16.c", "shm_comm.c")
+           "paged_attention.c", "decode.c", "elementwise.c", "split_bf16.c", "shm_comm.c")
 HEADERS = ("kernels.h",)
 INT8_TILES_MODES = {"0": 0, "1": 1, "all": 2}  # MEMWALL_INT8_TILES -> mw_set_int8_tiles
 # -ffp-contract=off: a weight s * q + c is rounded as the reference dequantizer rounds it.
@@ -215,6 +215,9 @@ def _declare(cdll: ctypes.CDLL) -> None:
                                                i64, i64, i64, f32, i64, p]),
         "mw_kv_write": (i32, [p, i64, p, i64, i64, i64, i32, p, p]),
         "mw_prefill_attention_available": (i32, [i64]),
+        "mw_rms_norm": (None, [p, p, p, p, p, i64, i64, f32]),
+        "mw_gated_act": (None, [p, i64, i64, i32, p]),
+        "mw_rope": (i32, [p, i64, p, i64, i64, i64, p, p, i64]),
         "mw_paged_prefill_attention": (i32, [p, p, p, p, p, i32, p, i64, i64, i64, i64, i64, i64,
                                              i64, i64, f32, i64, p]),
         "mw_decode_step": (i32, [p, p, i64, p, p, p, p, i64, p, p, p]),

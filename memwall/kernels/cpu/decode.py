@@ -334,13 +334,14 @@ def prefill_attention_available(head_dim: int) -> bool:
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table: torch.Tensor, seq_len: int, scale: float,
-                            window: int | None = None) -> torch.Tensor:
+                            window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's prefill chunk: q [Q, H, D] float32, the queries of positions
     seq_len - Q .. seq_len - 1 (their K/V already in the cache), attends causally over the
     blocks of ``block_table`` (int64 [width]) where they lie -> [Q, H, D]; ``window``: a
     sliding layer's, each query its last ``window`` keys. Bad shapes, lengths or block ids
     raise ValueError before C runs; a head_dim this build has no kernel for,
-    NotImplementedError (prefill_attention_available says which)."""
+    NotImplementedError (prefill_attention_available says which). ``out``: a contiguous
+    float32 [Q, H, D] to write into (returned), else a new tensor."""
     if q.dim() != 3 or q.dtype != torch.float32:
         raise ValueError(f"q must be float32 [Q, heads, head_dim], got {q.dtype} {list(q.shape)}")
     n, h, d = q.shape
@@ -356,7 +357,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     if kv_heads < 1 or h % kv_heads:
         raise ValueError(f"{h} query heads cannot share {kv_heads} KV heads evenly")
-    out = torch.empty(n, h, d, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(n, h, d, dtype=torch.float32)
+    elif out.shape != q.shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous float32 {list(q.shape)}, got {out.dtype} "
+                         f"{list(out.shape)}")
     if n == 0:
         return out
     q = q.contiguous()

@@ -10,8 +10,10 @@
  *     int8_tiles.c       prefill matmuls on K-quant weights with int8 activations (AVX2)
  *     panel_gemm.c       q4/q8 matmuls of more than MW_I8_MAX_ROWS tokens with int16
  *                        activations, 16 output rows across the lanes (AVX-512 VNNI)
- *     paged_attention.c  decode attention over paged KV blocks, read where they lie
+ *     paged_attention.c  decode and prefill attention over paged KV blocks, read where they lie
  *     decode.c           the fused decode step: all layers of a Llama-family model in one call
+ *     elementwise.c      RMSNorm (after the residual add), gated activations, rotary
+ *                        embeddings: the forward pass's row-wise ops outside decode.c
  *     split_bf16.c       hi + lo bf16 operands for split-bf16 (AMX) prefill matmuls (amx.py)
  *     shm_comm.c         all-reduce, all-gather and barrier of tensor-parallel ranks on one
  *                        host, through shared memory (memwall/distributed/shm_comm.py)
@@ -121,6 +123,13 @@ int mw_q4_gemm_p16(const float* x, int64_t M, int64_t K, const uint8_t* codes, c
                    const void* c, float* y, int64_t N, int half);
 int mw_q8_gemm_p16(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
                    const void* s, const void* c, float* y, int64_t N, int half);
+
+/* elementwise.c: rows of float32, each computed alone (see the file) */
+void mw_rms_norm(const float* x, const float* residual, const float* w, float* out,
+                 float* sum_out, int64_t rows, int64_t n, float eps);
+void mw_gated_act(const float* gu, int64_t rows, int64_t inter, int act, float* out);
+int mw_rope(float* x, int64_t ld, const int64_t* positions, int64_t rows, int64_t heads,
+            int64_t head_dim, const float* cos, const float* sin, int64_t max_positions);
 
 /* split_bf16.c: a = hi + lo, hi = bf16(a) (nearest even), lo = a - hi, both as float32 */
 void mw_split_bf16(const float* x, int64_t n, float* hi, float* lo);
