@@ -190,3 +190,22 @@ def test_memwall_plan_calibrate_writes_then_plans_with_the_file(tmp_path, capsys
     doc = json.loads(capsys.readouterr().out)
     assert code == 0 and path.is_file() and str(path) in doc["device"]["source"]
     assert doc["decode"]["batch_1"]["step_s"] == pytest.approx(_decode_s(path))
+
+
+def test_prefill_fit_survives_a_larger_chunk_timed_no_slower() -> None:
+    """Fast integer kernels on a quick calibration's small probe weights: the 512-token chunk can
+    time no slower than the 256-token one. The fit then takes the larger chunk's mean rate,
+    never a division by a zero slope."""
+    from memwall.planner.calibrate.kernels import PREFILL_TOKENS, KernelProbes
+
+    probes = KernelProbes.__new__(KernelProbes)
+    probes.dequantizes = False
+    probes.prefill_weights = {"q4": 1000, "q4_large": 4000, "q8": 1000}
+    probes.prefill_tokens = {k: PREFILL_TOKENS for k in probes.prefill_weights}
+    small, large = PREFILL_TOKENS
+    probes.samples = {f"prefill {k}/{m}": [1e-3] for k in probes.prefill_weights for m in (small, large)}
+    probes.samples["prefill q4_large/256"] = [2e-3]  # slower at 256 than at 512
+    flops, weight_s = probes._prefill_fit()
+    assert flops["q4"] == pytest.approx(2 * 1000 * large / 1e-3)
+    assert flops["q4_large"] == pytest.approx(2 * 4000 * large / 1e-3)
+    assert all(v >= 0 for v in weight_s.values())

@@ -208,6 +208,8 @@ class KernelProbes:
                 per_token = (t2 - fixed) / m2
             else:
                 fixed, per_token = two_point((m1, m2), (self.s(f"prefill {key}/{m1}"), t2))
+            if per_token <= 0:  # the larger chunk timed no slower (noise, or a kernel whose
+                fixed, per_token = 0.0, t2 / m2  # fixed cost hides the tokens'): its mean
             flops[key], weight_s[key] = 2 * params / per_token, fixed / params
         # a large weight's extra cost is its float32 copy's fresh pages, whatever its layout
         flops["q8_large"] = flops["q4_large"]
