@@ -288,6 +288,30 @@ def _cache_ptrs(cache: torch.Tensor) -> tuple[int, int | None]:
     return cache.data_ptr(), _ptr(scales)
 
 
+def _check_attention(q: torch.Tensor, rows: str, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     where: str) -> tuple[int, int, int]:
+    """q's (rows, heads, head_dim) when q is float32 [rows, H, D] and the caches are contiguous
+    [blocks, block_size, kv_heads, D] of one native format whose kv_heads divide H; else
+    ValueError saying which."""
+    if q.dim() != 3 or q.dtype != torch.float32:
+        raise ValueError(f"q must be float32 [{rows}, heads, head_dim], got {q.dtype} {list(q.shape)}")
+    n, h, d = q.shape
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if (cache.dim() != 4 or cache.shape[3] != d or cache.shape != k_cache.shape
+                or cache.dtype != k_cache.dtype or not cache.is_contiguous()):
+            raise ValueError(f"{name} must be contiguous [blocks, block_size, kv_heads, {d}] of "
+                             f"k_cache's dtype, got {cache.dtype} {list(cache.shape)}")
+    try:
+        _cache_ptrs(k_cache), _cache_ptrs(v_cache)
+    except Unsupported as e:
+        raise ValueError(f"{where} cannot read {e}; formats: "
+                         f"{', '.join(map(str, kv_quant.NATIVE_CODES))}") from e
+    kv_heads = k_cache.shape[2]
+    if kv_heads < 1 or h % kv_heads:
+        raise ValueError(f"{h} query heads cannot share {kv_heads} KV heads evenly")
+    return n, h, d
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            window: int | None = None) -> torch.Tensor:
@@ -297,22 +321,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_tables int64 [B, width], seq_lens int64 [B] in 1..width * block_size; ``window``: a
     sliding layer's, each row then attends its last ``window`` keys. Anything else raises
     ValueError before C runs; B = 0 returns [0, H, D]."""
-    if q.dim() != 3 or q.dtype != torch.float32:
-        raise ValueError(f"q must be float32 [B, heads, head_dim], got {q.dtype} {list(q.shape)}")
-    b, h, d = q.shape
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if (cache.dim() != 4 or cache.shape[3] != d or cache.shape != k_cache.shape
-                or cache.dtype != k_cache.dtype or not cache.is_contiguous()):
-            raise ValueError(f"{name} must be contiguous [blocks, block_size, kv_heads, {d}] of "
-                             f"k_cache's dtype, got {cache.dtype} {list(cache.shape)}")
-    try:
-        (k_ptr, ks_ptr), (v_ptr, vs_ptr) = _cache_ptrs(k_cache), _cache_ptrs(v_cache)
-    except Unsupported as e:
-        raise ValueError(f"paged_decode_attention cannot read {e}; formats: "
-                         f"{', '.join(map(str, kv_quant.NATIVE_CODES))}") from e
+    b, h, d = _check_attention(q, "B", k_cache, v_cache, "paged_decode_attention")
+    (k_ptr, ks_ptr), (v_ptr, vs_ptr) = _cache_ptrs(k_cache), _cache_ptrs(v_cache)
     num_blocks, block_size, kv_heads, _ = k_cache.shape
-    if kv_heads < 1 or h % kv_heads:
-        raise ValueError(f"{h} query heads cannot share {kv_heads} KV heads evenly")
     out = torch.empty(b, h, d, dtype=torch.float32)
     if b == 0:
         return out
@@ -342,21 +353,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     raise ValueError before C runs; a head_dim this build has no kernel for,
     NotImplementedError (prefill_attention_available says which). ``out``: a contiguous
     float32 [Q, H, D] to write into (returned), else a new tensor."""
-    if q.dim() != 3 or q.dtype != torch.float32:
-        raise ValueError(f"q must be float32 [Q, heads, head_dim], got {q.dtype} {list(q.shape)}")
-    n, h, d = q.shape
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if (cache.dim() != 4 or cache.shape[3] != d or cache.shape != k_cache.shape
-                or cache.dtype != k_cache.dtype or not cache.is_contiguous()):
-            raise ValueError(f"{name} must be contiguous [blocks, block_size, kv_heads, {d}] of "
-                             f"k_cache's dtype, got {cache.dtype} {list(cache.shape)}")
-    try:
-        (k_ptr, ks_ptr), (v_ptr, vs_ptr) = _cache_ptrs(k_cache), _cache_ptrs(v_cache)
-    except Unsupported as e:
-        raise ValueError(f"paged_prefill_attention cannot read {e}") from e
+    n, h, d = _check_attention(q, "Q", k_cache, v_cache, "paged_prefill_attention")
+    (k_ptr, ks_ptr), (v_ptr, vs_ptr) = _cache_ptrs(k_cache), _cache_ptrs(v_cache)
     num_blocks, block_size, kv_heads, _ = k_cache.shape
-    if kv_heads < 1 or h % kv_heads:
-        raise ValueError(f"{h} query heads cannot share {kv_heads} KV heads evenly")
     if out is None:
         out = torch.empty(n, h, d, dtype=torch.float32)
     elif out.shape != q.shape or out.dtype != torch.float32 or not out.is_contiguous():
