@@ -140,7 +140,8 @@ static inline float q4_row_i8(const uint8_t* codes, const float* s, const float*
         __m512 scale = _mm512_mul_ps(spread(s + c128 * 4, 2, idx2), _mm512_loadu_ps(dlane + o / 4));
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
     }
-    return _mm512_reduce_add_ps(acc) + dot_f32(c, gsum, K / 32);
+    const float sum = _mm512_reduce_add_ps(acc);
+    return c ? sum + dot_f32(c, gsum, K / 32) : sum;  /* c NULL: no offsets (MW_NO_OFFSETS) */
 }
 
 /* one row of a q8 weight (signed codes [K], s, c [K/G]). The codes are read as unsigned
@@ -162,7 +163,8 @@ static inline float q8_row_i8(const int8_t* codes, const float* s, const float* 
         __m512 scale = _mm512_mul_ps(sv, _mm512_loadu_ps(dlane + p * 16));
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
     }
-    return _mm512_reduce_add_ps(acc) + dot_f32(c, gsum, K / G);
+    const float sum = _mm512_reduce_add_ps(acc);
+    return c ? sum + dot_f32(c, gsum, K / G) : sum;
 }
 #endif
 
@@ -204,9 +206,9 @@ int mw_q4_gemv_i8(const float* x, int64_t K, const uint8_t* codes, const void* s
         const int64_t rows = N - n0 < run ? N - n0 : run;
         float sbuf[run * nb], cbuf[run * nb];  /* unused for float32 scales */
         const float* sr = mw_scales_f32(s, half, n0 * nb, rows * nb, sbuf);
-        const float* cr = mw_scales_f32(c, half, n0 * nb, rows * nb, cbuf);
+        const float* cr = c ? mw_scales_f32(c, half, n0 * nb, rows * nb, cbuf) : NULL;
         for (int64_t r = 0; r < rows; r++)
-            y[n0 + r] = q4_row_i8(codes + (n0 + r) * (K / 2), sr + r * nb, cr + r * nb, K, t.hi,
+            y[n0 + r] = q4_row_i8(codes + (n0 + r) * (K / 2), sr + r * nb, cr ? cr + r * nb : NULL, K, t.hi,
                                   t.lo, t.dlane, t.gsum);
     }
     free(t.hi);
@@ -232,9 +234,9 @@ int mw_q8_gemv_i8(const float* x, int64_t K, int64_t G, const int8_t* codes, con
         const int64_t rows = N - n0 < run ? N - n0 : run;
         float sbuf[run * ng], cbuf[run * ng];
         const float* sr = mw_scales_f32(s, half, n0 * ng, rows * ng, sbuf);
-        const float* cr = mw_scales_f32(c, half, n0 * ng, rows * ng, cbuf);
+        const float* cr = c ? mw_scales_f32(c, half, n0 * ng, rows * ng, cbuf) : NULL;
         for (int64_t r = 0; r < rows; r++)
-            y[n0 + r] = q8_row_i8(codes + (n0 + r) * K, sr + r * ng, cr + r * ng, K, G, t.hi,
+            y[n0 + r] = q8_row_i8(codes + (n0 + r) * K, sr + r * ng, cr ? cr + r * ng : NULL, K, G, t.hi,
                                   t.lo, t.dlane, t.gsum, t.xcorr);
     }
     free(t.hi);
@@ -412,7 +414,8 @@ static inline __attribute__((always_inline)) void q4_rows_i8(
     }
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++)
-            y[m * N + r] = _mm512_reduce_add_ps(acc[r * M + m]) + dot_f32(cr + r * nb, t->gsum + m * nb, nb);
+            y[m * N + r] = cr ? _mm512_reduce_add_ps(acc[r * M + m]) + dot_f32(cr + r * nb, t->gsum + m * nb, nb)
+                              : _mm512_reduce_add_ps(acc[r * M + m]);  /* as the gemv */
 }
 
 /* R q8 rows (codes q + r * K, scales sr / cr + r * ng, group G) against M tokens */
@@ -440,20 +443,21 @@ static inline __attribute__((always_inline)) void q8_rows_i8(
     }
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++)
-            y[m * N + r] = _mm512_reduce_add_ps(acc[r * M + m]) + dot_f32(cr + r * ng, t->gsum + m * ng, ng);
+            y[m * N + r] = cr ? _mm512_reduce_add_ps(acc[r * M + m]) + dot_f32(cr + r * ng, t->gsum + m * ng, ng)
+                              : _mm512_reduce_add_ps(acc[r * M + m]);
 }
 
 /* rows [0, rows) of a run: groups of ROWS_R(M) rows, then one at a time */
 #define ROWS_R(M) ((M) <= 4 ? 2 : 1)
 #define Q4_RUN(M) do { int64_t r = 0; \
         for (; r + ROWS_R(M) <= rows; r += ROWS_R(M)) \
-            q4_rows_i8(ROWS_R(M), M, q + r * (K / 2), sr + r * nb, cr + r * nb, K, &t, yr + r, N); \
-        for (; r < rows; r++) q4_rows_i8(1, M, q + r * (K / 2), sr + r * nb, cr + r * nb, K, &t, yr + r, N); \
+            q4_rows_i8(ROWS_R(M), M, q + r * (K / 2), sr + r * nb, cr ? cr + r * nb : NULL, K, &t, yr + r, N); \
+        for (; r < rows; r++) q4_rows_i8(1, M, q + r * (K / 2), sr + r * nb, cr ? cr + r * nb : NULL, K, &t, yr + r, N); \
     } while (0)
 #define Q8_RUN(M) do { int64_t r = 0; \
         for (; r + ROWS_R(M) <= rows; r += ROWS_R(M)) \
-            q8_rows_i8(ROWS_R(M), M, q + r * K, sr + r * ng, cr + r * ng, K, G, &t, yr + r, N); \
-        for (; r < rows; r++) q8_rows_i8(1, M, q + r * K, sr + r * ng, cr + r * ng, K, G, &t, yr + r, N); \
+            q8_rows_i8(ROWS_R(M), M, q + r * K, sr + r * ng, cr ? cr + r * ng : NULL, K, G, &t, yr + r, N); \
+        for (; r < rows; r++) q8_rows_i8(1, M, q + r * K, sr + r * ng, cr ? cr + r * ng : NULL, K, G, &t, yr + r, N); \
     } while (0)
 #define M_CASES(RUN) switch (M) { \
     case 1: RUN(1); break; case 2: RUN(2); break; case 3: RUN(3); break; case 4: RUN(4); break; \
@@ -477,7 +481,7 @@ int mw_q4_gemm_i8(const float* x, int64_t M, int64_t K, const uint8_t* codes, co
         const int64_t rows = N - n0 < run ? N - n0 : run;
         float sbuf[run * nb], cbuf[run * nb];  /* unused for float32 scales */
         const float* sr = mw_scales_f32(s, half, n0 * nb, rows * nb, sbuf);
-        const float* cr = mw_scales_f32(c, half, n0 * nb, rows * nb, cbuf);
+        const float* cr = c ? mw_scales_f32(c, half, n0 * nb, rows * nb, cbuf) : NULL;
         const uint8_t* q = codes + n0 * (K / 2);
         float* yr = y + n0;
         M_CASES(Q4_RUN)
@@ -506,7 +510,7 @@ int mw_q8_gemm_i8(const float* x, int64_t M, int64_t K, int64_t G, const int8_t*
         const int64_t rows = N - n0 < run ? N - n0 : run;
         float sbuf[run * ng], cbuf[run * ng];
         const float* sr = mw_scales_f32(s, half, n0 * ng, rows * ng, sbuf);
-        const float* cr = mw_scales_f32(c, half, n0 * ng, rows * ng, cbuf);
+        const float* cr = c ? mw_scales_f32(c, half, n0 * ng, rows * ng, cbuf) : NULL;
         const int8_t* q = codes + n0 * K;
         float* yr = y + n0;
         M_CASES(Q8_RUN)
