@@ -87,11 +87,10 @@ class RotaryEmbedding(nn.Module):
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]; returns both rotated.
         float32 CPU q and k outside autograd are rotated in place by
         memwall/kernels/cpu/elementwise.c (they are fresh projection outputs); else torch."""
-        if (isinstance(rows, RopeRows) and rows.native_ok and elementwise.usable(q, k)
-                and elementwise.rope_(q, rows.positions, rows.table.cos, rows.table.sin)
-                and elementwise.rope_(k, rows.positions, rows.table.cos, rows.table.sin)):
+        if (isinstance(rows, RopeRows) and rows.dtype == torch.float32 and elementwise.usable(q, k)
+                and elementwise.rope_((q, k), rows.positions, rows.table.cos, rows.table.sin)):
             return q, k
-        cos, sin = rows.full() if isinstance(rows, RopeRows) else rows
+        cos, sin = rows  # a RopeRows gathers its full-width rows here
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
@@ -103,7 +102,6 @@ class RopeRows:
 
     def __init__(self, table: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> None:
         self.table, self.positions, self.dtype = table, positions, dtype
-        self.native_ok = dtype == torch.float32 and table.cos.dtype == torch.float32
         self._full: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def full(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -89,7 +89,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(x)
-            if gate_up.dim() == 2 and elementwise.usable(gate_up):  # one pass in C
+            if (gate_up.dim() == 2 and self.act_name in elementwise.ACTS
+                    and elementwise.usable(gate_up)):  # one pass in C
                 return self.down_proj(elementwise.gated_act(gate_up, self.act_name))
             gate, up = gate_up.chunk(2, dim=-1)
         else:

@@ -73,13 +73,18 @@ def test_rope_in_place_on_qkv_views(isa_library, head_dim) -> None:
     positions = torch.randint(0, 64, (t,), generator=torch.Generator().manual_seed(head_dim))
     cos, sin = rope.cos_full[positions].unsqueeze(1), rope.sin_signed[positions].unsqueeze(1)
     want_q, want_k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    assert elementwise.rope_(q, positions, rope.cos, rope.sin)
-    assert elementwise.rope_(k, positions, rope.cos, rope.sin)
+    assert elementwise.rope_((q, k), positions, rope.cos, rope.sin)
     # the torch path's arithmetic, rounding for rounding
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched
     with pytest.raises(ValueError, match="position"):
-        elementwise.rope_(q, torch.full((t,), 64), rope.cos, rope.sin)
+        elementwise.rope_((q,), torch.full((t,), 64), rope.cos, rope.sin)
+    # all or none: a tensor whose layout does not fit leaves the others unrotated too
+    before = qkv.clone()
+    fits = torch.randn(t, 2, head_dim)
+    bad = torch.randn(t, head_dim, 2).transpose(1, 2)  # head_dim not contiguous
+    assert not elementwise.rope_((q, fits, bad), positions, rope.cos, rope.sin)
+    assert torch.equal(qkv, before)
 
 
 def test_rotary_apply_uses_either_path_with_the_same_result() -> None:

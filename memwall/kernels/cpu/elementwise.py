@@ -35,28 +35,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:
-    """gate_up [T, 2 * I] (gate columns first) -> act(gate) * up [T, I]."""
+    """gate_up [T, 2 * I] (gate columns first) -> act(gate) * up [T, I]; ``act`` one of ACTS."""
     rows, width = gate_up.shape
     inter = width // 2
     out = torch.empty(rows, inter, dtype=torch.float32)
     if rows and inter:
-        build.require().mw_gated_act(gate_up.contiguous().data_ptr(), rows, inter, ACTS[act],
-                                     out.data_ptr())
+        gate_up = gate_up.contiguous()  # held here: C reads it after this line
+        build.require().mw_gated_act(gate_up.data_ptr(), rows, inter, ACTS[act], out.data_ptr())
     return out
 
 
-def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Rotates x [T, heads, head_dim] in place (rows may be strided: q and k as views of one
-    qkv buffer) at ``positions`` with the half tables cos, sin [max_positions, head_dim / 2];
-    False (nothing done) where the layout does not fit."""
-    t, heads, d = x.shape
-    if (x.stride(2) != 1 or x.stride(1) != d or positions.dtype != torch.int64
-            or positions.device.type != "cpu" or positions.shape != (t,) or d % 2
-            or cos.shape[1] * 2 != d or not (cos.is_contiguous() and sin.is_contiguous())):
+def rope_(tensors: tuple[torch.Tensor, ...], positions: torch.Tensor, cos: torch.Tensor,
+          sin: torch.Tensor) -> bool:
+    """Rotates each x [T, heads, head_dim] of ``tensors`` in place (rows may be strided: q and
+    k as views of one qkv buffer) at ``positions`` with the float32 half tables cos, sin
+    [max_positions, head_dim / 2]. All or none: False (nothing rotated) where any layout does
+    not fit, so a caller's fallback never rotates a tensor twice."""
+    if (positions.dtype != torch.int64 or positions.device.type != "cpu" or positions.dim() != 1
+            or cos.dtype != torch.float32 or sin.dtype != torch.float32
+            or not (cos.is_contiguous() and sin.is_contiguous())):
         return False
+    t = positions.shape[0]
+    for x in tensors:
+        if (x.dim() != 3 or x.shape[0] != t or x.stride(2) != 1 or x.stride(1) != x.shape[2]
+                or x.shape[2] % 2 or cos.shape[1] * 2 != x.shape[2]):
+            return False
     if t:
         positions = positions.contiguous()
-        rc = build.require().mw_rope(x.data_ptr(), x.stride(0), positions.data_ptr(), t, heads, d,
-                                     cos.data_ptr(), sin.data_ptr(), cos.shape[0])
-        build.raise_for(rc, "rope")
+        for x in tensors:
+            rc = build.require().mw_rope(x.data_ptr(), x.stride(0), positions.data_ptr(), t,
+                                         x.shape[1], x.shape[2], cos.data_ptr(), sin.data_ptr(),
+                                         cos.shape[0])
+            build.raise_for(rc, "rope")
     return True
