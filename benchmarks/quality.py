@@ -27,6 +27,13 @@ In the report "auto" is then the tested format and "none" the fp32-KV reference.
    ``position`` = positions i where both paths chose the same token / max_tokens
    The issue's measure is ``position`` over all prompts (>= 90%). Prompts run one at a time
    (batch 1, where one-token matmuls may use int8 activations) unless ``--batch``.
+   Both engines get one fixed step budget and batch size (BUDGET): prompts chunked or batched
+   differently round differently.
+   Teacher-forced (llama-perplexity --kl-divergence's "Same top p" and KL): each prompt followed
+   by the reference's greedy tokens, one prefill on each side, and the perplexity windows below:
+   how often both sides pick the same next token given the same history, and KL(reference ||
+   tested). Free-running agreement turns one early flip into a comparison of two different
+   texts; fp16 KV (``--kv-cache-dtype fp16``) is the control for how chaotic it is.
 2. Perplexity on a text corpus (ShareGPT conversation text in English, about
    ``ppl-ctx * ppl-chunks`` tokens), computed the way llama.cpp's llama-perplexity does: the
    token stream (BOS first when the model adds one) is cut into ``--ppl-ctx`` windows, each
@@ -134,25 +141,33 @@ def build_corpus(tokenizer, tokens: int) -> str:
 
 
 # ---- greedy agreement ----------------------------------------------------------------------------
+# One fixed token budget for both sides: left to itself each engine measures its own at start-up,
+# the two budgets differ from run to run, and prompts chunked differently round differently (the
+# same path run twice with calibrated budgets agreed on 85% of greedy positions, not 100%).
+BUDGET = 2048  # and room for every prompt in one batch (max_num_seqs=64): rows round
+# differently in batches of different sizes
+
 def make_llm(model: str, quantization: str, threads: int, kv_cache_dtype: str = "auto"):
     from memwall import LLM
 
     return LLM(model, quantization=quantization, threads=threads, num_kv_blocks=1024,
-               max_model_len=4096, kv_cache_dtype=kv_cache_dtype)
+               max_model_len=4096, kv_cache_dtype=kv_cache_dtype,
+               max_num_batched_tokens=BUDGET, max_num_seqs=64)
 
 
-def greedy_tokens(llm, prompts: list[str], max_tokens: int, batch: bool) -> list[list[int]]:
+def greedy_tokens(llm, prompts: list[str], max_tokens: int,
+                  batch: bool) -> tuple[list[list[int]], list[list[int]]]:
+    """(each prompt's token ids as the engine saw them, its greedy tokens)."""
     from memwall import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     if not llm.tokenizer.chat_template:  # a base model (Gemma 3 270M): the prompts as plain text
-        if batch:
-            return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
-        return [list(llm.generate([p], params)[0].outputs[0].token_ids) for p in prompts]
-    messages = [[{"role": "user", "content": p}] for p in prompts]
-    if batch:
-        return [list(o.outputs[0].token_ids) for o in llm.chat(messages, params)]
-    return [list(llm.chat(m, params)[0].outputs[0].token_ids) for m in messages]
+        outs = (llm.generate(prompts, params) if batch
+                else [llm.generate([p], params)[0] for p in prompts])
+    else:
+        messages = [[{"role": "user", "content": p}] for p in prompts]
+        outs = llm.chat(messages, params) if batch else [llm.chat(m, params)[0] for m in messages]
+    return [list(o.prompt_token_ids) for o in outs], [list(o.outputs[0].token_ids) for o in outs]
 
 
 def agreement(a: list[int], b: list[int]) -> dict:
@@ -178,29 +193,55 @@ def window_ids(tokenizer, text: str, ctx: int, chunks: int) -> list[list[int]]:
     return windows
 
 
-def perplexity(loaded, windows: list[list[int]], kv_dtype=None) -> dict:
-    """exp(mean NLL) of each window's second half, one prefill per window, its K/V stored in
-    ``kv_dtype`` (a torch dtype; default float32) and read back from there."""
+def prefill_logps(loaded, ids: list[int], first: int, kv_dtype=None):
+    """One prefill of ``ids`` with its K/V stored in ``kv_dtype`` (a torch dtype; default
+    float32) and read back from there: log-probabilities [len(ids) - 1 - first, vocab] of the
+    tokens after positions first .. len(ids) - 2, as float32."""
     import torch
 
     from memwall.attention.metadata import AttentionMetadata
     from memwall.worker.kv_cache import KVCachePlan, allocate_kv_cache
 
-    block, nll, count = 16, 0.0, 0
+    block = 16
+    blocks = len(ids) // block + 1
+    caches = allocate_kv_cache(loaded.arch, KVCachePlan(blocks, block, 0), kv_dtype or torch.float32)
+    meta = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(blocks))], block)
+    with torch.no_grad():
+        hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), caches, meta)
+        logits = loaded.model.compute_logits(hidden[first:-1])
+        return torch.log_softmax(logits.double(), dim=-1).float()
+
+
+def perplexity(loaded, windows: list[list[int]], kv_dtype=None) -> tuple[dict, list]:
+    """exp(mean NLL) of each window's second half, one prefill per window, its K/V stored in
+    ``kv_dtype`` (a torch dtype; default float32) and read back from there; and the scored
+    positions' log-probabilities (one tensor a window) for ``forced_agreement``."""
+    import torch
+
+    nll, count, logps = 0.0, 0, []
     for ids in windows:
-        blocks = len(ids) // block + 1
-        caches = allocate_kv_cache(loaded.arch, KVCachePlan(blocks, block, 0),
-                                   kv_dtype or torch.float32)
-        meta = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(blocks))], block)
-        with torch.no_grad():
-            hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), caches, meta)
-            first = len(ids) // 2
-            logits = loaded.model.compute_logits(hidden[first:-1])  # [ctx/2 - 1, vocab]
-            logp = torch.log_softmax(logits.double(), dim=-1)
-            target = torch.tensor(ids[first + 1:])
-            nll -= float(logp.gather(1, target[:, None]).sum())
+        first = len(ids) // 2
+        logp = prefill_logps(loaded, ids, first, kv_dtype)
+        target = torch.tensor(ids[first + 1:])
+        nll -= float(logp.double().gather(1, target[:, None]).sum())
         count += len(target)
-    return {"ppl": math.exp(nll / count), "nll": nll / count, "tokens_scored": count}
+        logps.append(logp)
+    return {"ppl": math.exp(nll / count), "nll": nll / count, "tokens_scored": count}, logps
+
+
+def forced_agreement(tested: list, reference: list) -> dict:
+    """Teacher-forced comparison of two paths' next-token distributions over the same token
+    streams (llama-perplexity --kl-divergence's "Same top p" and KL statistics): how often the
+    two pick the same greedy token at a position given the same history, and KL(reference ||
+    tested). Unlike free-running agreement, one early flip does not turn every later position
+    into a comparison of two different texts."""
+    import torch
+
+    a, b = torch.cat(tested).double(), torch.cat(reference).double()
+    kl = (b.exp() * (b - a)).sum(-1)
+    return {"same_top": float((a.argmax(-1) == b.argmax(-1)).double().mean()),
+            "kl_mean": float(kl.mean()), "kl_p99": float(kl.quantile(0.99)),
+            "positions": int(kl.numel())}
 
 
 def llama_perplexity(model: str, corpus: Path, ctx: int, chunks: int, threads: int) -> dict:
@@ -247,7 +288,9 @@ def main() -> None:
     start = time.perf_counter()
     source, prompts = load_prompts(args.prompts)
 
-    paths, tokens, ppl, seconds = ("auto", "none"), {}, {}, {}
+    # the reference first: the tested side is then also run teacher-forced on its greedy text
+    paths, tokens, ppl, seconds = ("none", "auto"), {}, {}, {}
+    prompt_ids, corpus_logps, prompt_logps = None, {}, {}
     corpus_text = windows = None
     kv = {"auto": args.kv_cache_dtype, "none": "fp32"} if args.kv_cache_dtype else {}
     for quantization in paths:
@@ -263,11 +306,16 @@ def main() -> None:
             windows = window_ids(llm.tokenizer, corpus_text, args.ppl_ctx, args.ppl_chunks)
         seconds[f"{quantization}_load"] = time.perf_counter() - clock
         clock = time.perf_counter()
-        tokens[quantization] = greedy_tokens(llm, prompts, args.max_tokens, args.batch)
+        prompt_ids, tokens[quantization] = greedy_tokens(llm, prompts, args.max_tokens, args.batch)
         seconds[f"{quantization}_greedy"] = time.perf_counter() - clock
         clock = time.perf_counter()
         worker = llm.engine.core.executor.worker
-        ppl[quantization] = perplexity(worker.loaded, windows, worker.runner.kv_caches[0][0].dtype)
+        kv_dtype = worker.runner.kv_caches[0][0].dtype
+        ppl[quantization], corpus_logps[quantization] = perplexity(worker.loaded, windows, kv_dtype)
+        # teacher-forced: each prompt followed by the reference's greedy tokens, one prefill
+        prompt_logps[quantization] = [
+            prefill_logps(worker.loaded, ids + ref, len(ids) - 1, kv_dtype)
+            for ids, ref in zip(prompt_ids, tokens["none"])]
         seconds[f"{quantization}_ppl"] = time.perf_counter() - clock
         print(f"{quantization}: " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()
                                               if k.startswith(quantization)), flush=True)
@@ -289,6 +337,8 @@ def main() -> None:
             "position": sum(p["position"] for p in per_prompt) / len(per_prompt),
             "prefix": sum(p["prefix"] for p in per_prompt) / len(per_prompt),
             "identical_prompts": sum(p["first_divergence"] is None for p in per_prompt)},
+        "forced": {"prompts": forced_agreement(prompt_logps["auto"], prompt_logps["none"]),
+                   "corpus": forced_agreement(corpus_logps["auto"], corpus_logps["none"])},
         "per_prompt": per_prompt,
         "tokens": tokens,
         "perplexity": {"ctx": args.ppl_ctx, "windows": len(windows), "corpus_chars": len(corpus_text),
@@ -353,6 +403,10 @@ def print_table(report: dict) -> None:
     print(f"{'all':>6}{a['position']:>15.1%}{a['prefix']:>13.1%}   "
           f"({a['identical_prompts']} of {len(report['per_prompt'])} identical; target: same "
           f"positions >= 90%)")
+    for name, f in report["forced"].items():
+        print(f"teacher-forced ({'the prompts + the reference greedy tokens' if name == 'prompts' else 'perplexity windows'}, "
+              f"{f['positions']} positions): same greedy token {f['same_top']:.2%}, "
+              f"KL mean {f['kl_mean']:.5f}, p99 {f['kl_p99']:.4f}")
     p = report["perplexity"]
     print(f"perplexity, {p['windows']} windows of {p['ctx']} tokens (second halves scored):")
     for name, label in (("none", "memwall float"), ("auto", "memwall quantized"),
