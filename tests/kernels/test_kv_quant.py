@@ -111,6 +111,9 @@ SHAPES = [  # lens, block, heads, kv_heads, dim
     ([1, 2, 3, 40], 1, 4, 1, 32),       # blocks of one token
     ([200, 7, 129], 16, 8, 2, 24),      # past the 128-key split; head dim off the vectors
     ([300], 4, 5, 1, 16),               # a group of 5 (a 4-head pass and a 1-head pass)
+    ([130, 5], 16, 6, 2, 80),           # AVX-512 value passes of 64 + 16 dims, past the split
+    ([33], 8, 3, 1, 48),                # a 48-dim pass (three 16-wide vectors)
+    ([20], 16, 4, 4, 128),              # two 64-dim passes, no GQA
 ]
 
 

@@ -175,6 +175,63 @@ MW_INLINE void pv_pass(const float* p, int64_t n, float* o, int64_t D, const cha
     for (int jj = 0; jj < JN; jj++)
         for (int cc = 0; cc < CN; cc++) _mm256_storeu_ps(o + jj * D + d0 + 8 * cc, acc[jj][cc]);
 }
+
+#if defined(__AVX512F__)
+/* 16 elements i..i+15 of a cache row as floats (head dims a multiple of 16) */
+MW_INLINE __m512 kv_load16(const void* row, int64_t i, int kt) {
+    switch (kt) {
+    case MW_KV_F16:
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)row + i)));
+    case MW_KV_BF16:
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)row + i))), 16));
+    case MW_KV_I8:
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128((const __m128i*)((const int8_t*)row + i))));
+    case MW_KV_FP8:  /* kv_load8's bit trick, twice */
+        return _mm512_castpd_ps(_mm512_insertf64x4(
+            _mm512_castps_pd(_mm512_castps256_ps512(kv_load8(row, i, kt))),
+            _mm256_castps_pd(kv_load8(row, i + 8, kt)), 1));
+    default: return _mm512_loadu_ps((const float*)row + i);
+    }
+}
+
+/* qk_key for head dims a multiple of 16: 16-wide products, folded to the 8-lane partial sums
+ * qk_key leaves (each element of the row is widened once for all JN heads) */
+MW_INLINE void qk_key16(const float* q, int64_t D, const void* row, int kt, const int JN,
+                        __m256 dots[4][8], int i) {
+    __m512 a[4];
+    for (int jj = 0; jj < JN; jj++) a[jj] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 16) {
+        const __m512 k = kv_load16(row, c, kt);
+        for (int jj = 0; jj < JN; jj++) a[jj] = _mm512_fmadd_ps(_mm512_loadu_ps(q + jj * D + c), k, a[jj]);
+    }
+    for (int jj = 0; jj < JN; jj++)
+        dots[jj][i] = _mm256_add_ps(_mm512_castps512_ps256(a[jj]),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[jj]), 1)));
+}
+
+/* pv_pass for head dims a multiple of 16: o[jj][d0 .. d0 + 16 CN) for JN heads, CN <= 4
+ * (64 dims a pass: 16 accumulators in registers, each value vector widened once) */
+MW_INLINE void pv_pass16(const float* p, int64_t n, float* o, int64_t D, const char* base,
+                         int64_t row_bytes, const int64_t* rows, int64_t u0, int64_t u1,
+                         int64_t d0, int kt, const int JN, const int CN) {
+    __m512 acc[4][4];
+    for (int jj = 0; jj < JN; jj++)
+        for (int cc = 0; cc < CN; cc++) acc[jj][cc] = _mm512_loadu_ps(o + jj * D + d0 + 16 * cc);
+    for (int64_t u = u0; u < u1; u++) {
+        const void* row = base + rows[u] * row_bytes;
+        __m512 v[4];
+        for (int cc = 0; cc < CN; cc++) v[cc] = kv_load16(row, d0 + 16 * cc, kt);
+        for (int jj = 0; jj < JN; jj++) {
+            const __m512 pj = _mm512_set1_ps(p[jj * n + u]);
+            for (int cc = 0; cc < CN; cc++) acc[jj][cc] = _mm512_fmadd_ps(pj, v[cc], acc[jj][cc]);
+        }
+    }
+    for (int jj = 0; jj < JN; jj++)
+        for (int cc = 0; cc < CN; cc++) _mm512_storeu_ps(o + jj * D + d0 + 16 * cc, acc[jj][cc]);
+}
+#endif
 #endif
 
 /* a cache row widened to D floats (the plain-C paths and head dims off the 8-wide vectors) */
@@ -212,6 +269,10 @@ MW_INLINE void attend_range(const float* qh, int64_t group, int64_t D, const voi
     const char* kb = (const char*)k_cache;
     const char* vb = (const char*)v_cache;
     int64_t i = 0;
+    /* the first keys' rows are asked for at once; the loop below asks 16 keys ahead (rows lie
+       wherever their blocks are, so the hardware prefetcher loses them at every block) */
+    for (int64_t w = 0; w < 16 && w < n; w++)
+        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(kb + rows[w] * row_bytes + off, 0, 3);
 #if defined(__AVX2__) && defined(__FMA__)
     if (D % 8 == 0) {  /* 8 keys at a time: 8 partial-sum vectors a head, one reduction tree */
         for (; i < n; i += 8) {
@@ -228,6 +289,25 @@ MW_INLINE void attend_range(const float* qh, int64_t group, int64_t D, const voi
                 __m256 dots[4][8];
                 for (int k = 0; k < 8; k++) {
                     const void* row = kb + rows[i + k] * row_bytes;
+                    if (j0 == 0) {  /* the key 16 on, and this key's value for p . V below */
+                        const char* ka = kb + rows[i + k + 16 < n + 7 ? i + k + 16 : n + 6] * row_bytes;
+                        const char* va = vb + rows[i + k] * row_bytes;
+                        for (int64_t off = 0; off < row_bytes; off += 64) {
+                            __builtin_prefetch(ka + off, 0, 3);
+                            __builtin_prefetch(va + off, 0, 2);
+                        }
+                    }
+#if defined(__AVX512F__)
+                    if (D % 16 == 0) {
+                        switch (jn) {
+                        case 1: qk_key16(qj, D, row, kt, 1, dots, k); break;
+                        case 2: qk_key16(qj, D, row, kt, 2, dots, k); break;
+                        case 3: qk_key16(qj, D, row, kt, 3, dots, k); break;
+                        default: qk_key16(qj, D, row, kt, 4, dots, k); break;
+                        }
+                        continue;
+                    }
+#endif
                     switch (jn) {
                     case 1: qk_key(qj, D, row, kt, 1, dots, k); break;
                     case 2: qk_key(qj, D, row, kt, 2, dots, k); break;
@@ -266,6 +346,31 @@ MW_INLINE void attend_range(const float* qh, int64_t group, int64_t D, const voi
         memset(sj + nj, 0, sizeof(float) * (n - nj));  /* keys past this head's position */
     }
     memset(o, 0, sizeof(float) * group * D);
+#if defined(__AVX512F__)
+    if (D % 16 == 0) {
+        /* 32 tokens' rows stay in L1 while passes of (4 heads x 64 dims) sweep them */
+        const int64_t nd = D / 16;
+        for (int64_t u0 = 0; u0 < n; u0 += 32) {
+            const int64_t u1 = u0 + 32 < n ? u0 + 32 : n;
+            for (int64_t j0 = 0; j0 < group; j0 += 4) {
+                const int64_t jn = group - j0 < 4 ? group - j0 : 4;
+                for (int64_t c0 = 0; c0 < nd; c0 += 4) {
+                    const float* p = scores + j0 * n;
+                    float* oj = o + j0 * D;
+                    const int64_t d0 = 16 * c0, cn = nd - c0 < 4 ? nd - c0 : 4;
+#define PV16(JN, CN) pv_pass16(p, n, oj, D, vb, row_bytes, rows, u0, u1, d0, kt, JN, CN)
+#define PV16_JN(CN) switch (jn) { case 1: PV16(1, CN); break; case 2: PV16(2, CN); break; \
+                                  case 3: PV16(3, CN); break; default: PV16(4, CN); }
+                    switch (cn) { case 1: PV16_JN(1); break; case 2: PV16_JN(2); break;
+                                  case 3: PV16_JN(3); break; default: PV16_JN(4); }
+#undef PV16_JN
+#undef PV16
+                }
+            }
+        }
+        return;
+    }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
     if (D % 8 == 0) {
         /* 32 tokens' rows stay in L1 while passes of (4 heads x 16 dims) sweep them */
