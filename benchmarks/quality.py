@@ -27,7 +27,7 @@ In the report "auto" is then the tested format and "none" the fp32-KV reference.
    ``position`` = positions i where both paths chose the same token / max_tokens
    The issue's measure is ``position`` over all prompts (>= 90%). Prompts run one at a time
    (batch 1, where one-token matmuls may use int8 activations) unless ``--batch``.
-   Both engines get one fixed step budget and batch size (BUDGET): prompts chunked or batched
+   Both engines get one fixed step budget and batch size (BUDGET, MAX_SEQS): prompts chunked or batched
    differently round differently.
    Teacher-forced (llama-perplexity --kl-divergence's "Same top p" and KL): each prompt followed
    by the reference's greedy tokens, one prefill on each side, and the perplexity windows below:
@@ -141,18 +141,19 @@ def build_corpus(tokenizer, tokens: int) -> str:
 
 
 # ---- greedy agreement ----------------------------------------------------------------------------
-# One fixed token budget for both sides: left to itself each engine measures its own at start-up,
-# the two budgets differ from run to run, and prompts chunked differently round differently (the
-# same path run twice with calibrated budgets agreed on 85% of greedy positions, not 100%).
-BUDGET = 2048  # and room for every prompt in one batch (max_num_seqs=64): rows round
-# differently in batches of different sizes
+# One fixed token budget and batch size for both sides: left to itself each engine measures its
+# own budget at start-up, the two differ from run to run, and prompts chunked or batched
+# differently round differently (the same path run twice with calibrated budgets agreed on 85%
+# of greedy positions, not 100%). MAX_SEQS leaves room for every prompt in one batch.
+BUDGET = 2048
+MAX_SEQS = 64
 
 def make_llm(model: str, quantization: str, threads: int, kv_cache_dtype: str = "auto"):
     from memwall import LLM
 
     return LLM(model, quantization=quantization, threads=threads, num_kv_blocks=1024,
                max_model_len=4096, kv_cache_dtype=kv_cache_dtype,
-               max_num_batched_tokens=BUDGET, max_num_seqs=64)
+               max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS)
 
 
 def greedy_tokens(llm, prompts: list[str], max_tokens: int,

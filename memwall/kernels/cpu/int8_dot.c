@@ -370,11 +370,11 @@ static inline __attribute__((always_inline)) void rows_chunk(
     }
 }
 
-/* The row kernels ask for their codes I8_PREFETCH bytes ahead where a row has at least this
- * many bytes. Measured from DRAM (60 matrices cycled, 2 threads, AMD EPYC Zen 4), before ->
- * after: SmolLM2's Q8_0 LM head (576-byte rows) 1.35-1.42x at 2 and 4 tokens, q4 down_proj
- * (768-byte rows) 1.12-1.26x; q4 rows of 288 bytes (K = 576) ran 0.90-1.0x with it, so they
- * are left to the hardware prefetcher. */
+/* The row kernels of up to 4 tokens ask for their codes I8_PREFETCH bytes ahead where a row
+ * has at least this many bytes. Measured from DRAM (60 matrices cycled, 2 threads, AMD EPYC
+ * Zen 4), before -> after: SmolLM2's Q8_0 LM head (576-byte rows) 1.27-1.35x at 2 tokens,
+ * 1.20-1.43x at 4; q4 down_proj (768-byte rows) 1.12-1.27x; q4 rows of 288 bytes (K = 576)
+ * ran 0.90-1.0x with it and 8 tokens gained nothing, so those keep the code they had. */
 #define ROWS_PREFETCH_MIN_BYTES 512
 
 /* R q4 rows (codes q + r * K / 2, scales sr / cr + r * nb) against M tokens; R, M compile-time

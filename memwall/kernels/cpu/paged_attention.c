@@ -297,23 +297,18 @@ MW_INLINE void attend_range(const float* qh, int64_t group, int64_t D, const voi
                             __builtin_prefetch(va + off, 0, 2);
                         }
                     }
+#define QK(FN) switch (jn) { case 1: FN(qj, D, row, kt, 1, dots, k); break; \
+                               case 2: FN(qj, D, row, kt, 2, dots, k); break; \
+                               case 3: FN(qj, D, row, kt, 3, dots, k); break; \
+                               default: FN(qj, D, row, kt, 4, dots, k); }
 #if defined(__AVX512F__)
                     if (D % 16 == 0) {
-                        switch (jn) {
-                        case 1: qk_key16(qj, D, row, kt, 1, dots, k); break;
-                        case 2: qk_key16(qj, D, row, kt, 2, dots, k); break;
-                        case 3: qk_key16(qj, D, row, kt, 3, dots, k); break;
-                        default: qk_key16(qj, D, row, kt, 4, dots, k); break;
-                        }
+                        QK(qk_key16)
                         continue;
                     }
 #endif
-                    switch (jn) {
-                    case 1: qk_key(qj, D, row, kt, 1, dots, k); break;
-                    case 2: qk_key(qj, D, row, kt, 2, dots, k); break;
-                    case 3: qk_key(qj, D, row, kt, 3, dots, k); break;
-                    default: qk_key(qj, D, row, kt, 4, dots, k); break;
-                    }
+                    QK(qk_key)
+#undef QK
                 }
                 for (int64_t jj = 0; jj < jn; jj++) {
                     const __m256 s8 = _mm256_mul_ps(hsum8x8(dots[jj]), sc);
