@@ -395,6 +395,9 @@ def _embedding_rows(embed: nn.Module, v0: int, v1: int, tied_head: nn.Module | N
         weight = embed.weight.detach()[v0:v1].clone()
         return nn.Embedding(v1 - v0, embed.embedding_dim, _weight=weight).requires_grad_(False)
     if isinstance(embed, QuantEmbedding):
+        if embed.panels is not None:
+            raise ShardError("the token embedding was packed into panels before sharding; "
+                             "shard the model first (memwall/quant/packing.py)")
         if tied_head is not None and all(hasattr(tied_head, n) for n in ("codes", "s", "c")):
             tensors = {n: getattr(tied_head, n) for n in ("codes", "s", "c")}
         else:

@@ -12,6 +12,9 @@ in the layout of the native kernels (memwall/quant/int4_cpu.py ``NativeQ4``, int
     both      s, c [V, H/G] tables:   row value = s * q + c  (G = 32, or 16 for Q6_K); float32,
               float16, or two-level for K-quants (memwall/kernels/cpu/layout.py)
 
+When the tied head is packed into 16-row panels (memwall/quant/packing.py permutes the shared
+tensors in place), ``read_panels`` switches the lookup to the panels' row reader.
+
 Rows are rebuilt with the arithmetic of the GGUF reference dequantizer (one fp32 multiply and
 one add; for GGUF types the product is exact), so a lookup equals the float table's rows bit for
 bit (tests/quant/test_quant_embedding.py).
@@ -22,7 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from memwall.kernels.cpu.layout import float_table
+from memwall.kernels.cpu import panels
+from memwall.kernels.cpu.layout import PackedWeight, float_table
 from memwall.quant.base import QuantWeights
 from memwall.quant.int4_cpu import NativeQ4
 from memwall.quant.int8_cpu import NativeQ8
@@ -41,12 +45,21 @@ class QuantEmbedding(nn.Module):
         self.source = weights.source
         for name in ("codes", "s", "c"):  # shared, not copied: a tied lm_head holds the same ones
             self.register_buffer(name, weights.tensors[name])
+        self.panels: PackedWeight | None = None  # set by read_panels
 
     @staticmethod
     def supports(weights: QuantWeights) -> bool:
         return type(weights.method) in (NativeQ4, NativeQ8)
 
+    def read_panels(self, weight: PackedWeight) -> None:
+        """Our tensors were packed in place as ``weight`` (the tied head's): read rows there."""
+        if weight.codes.data_ptr() != self.codes.data_ptr():
+            raise ValueError("read_panels: the packed weight is not this embedding's table")
+        self.panels = weight
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            return panels.rows(self.panels, ids)
         flat = ids.reshape(-1)
         rows = self.codes.index_select(0, flat)  # [T, H/2] uint8 or [T, H] int8
         if self.four_bit:

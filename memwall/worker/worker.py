@@ -117,6 +117,7 @@ class Worker:
         if self.tp_comm is not None and self.tp_comm.size > 1:
             from memwall.distributed.tensor_parallel import shard_model
             self.arch = shard_model(self.model, self.tp_comm)
+        self._pack(self.model)
         self._load_draft_model()
         tokenizer = self.loaded.tokenizer
         vocab = VocabInfo(tokenizer.backend, self.loaded.arch.vocab_size,
@@ -138,6 +139,17 @@ class Worker:
         check_tokenizers(self.loaded.tokenizer, draft.tokenizer, draft.name)
         self.draft = dataclasses.replace(draft, model=place_model(draft.model, dev,
                                                                   self.args.quantization))
+        self._pack(self.draft.model)
+
+    def _pack(self, model: torch.nn.Module) -> None:
+        """q4/q8 weights into 16-row panels on CPUs with AVX-512 VNNI (memwall/quant/packing.py),
+        once the model has its final shape."""
+        if self.device_config.is_cuda:
+            return
+        from memwall.quant.packing import pack_model
+        report = pack_model(model)
+        if report.layers:
+            logger.info("weights: %s", report.summary())
 
     def determine_num_blocks(self, cache: CacheConfig, sched: SchedulerConfig) -> KVCachePlan:
         """The KV pool: on cuda without an explicit size, what a profiled forward pass leaves of

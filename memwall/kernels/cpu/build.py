@@ -30,6 +30,7 @@ logger = logging.getLogger("memwall")
 
 HERE = Path(__file__).resolve().parent
 SOURCES = ("quant_gemm.c", "int_gemm.c", "int8_dot.c", "int8_tiles.c", "panel_gemm.c",
+           "packed_gemm.c",
            "paged_attention.c", "decode.c", "elementwise.c", "split_bf16.c", "shm_comm.c")
 HEADERS = ("kernels.h",)
 INT8_TILES_MODES = {"0": 0, "1": 1, "all": 2}  # MEMWALL_INT8_TILES -> mw_set_int8_tiles
@@ -207,6 +208,10 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "mw_q4_gemm_i8t": (i32, [p, i64, i64, p, p, p, p, i64, i32]),
         "mw_q8_gemm_i8t": (i32, [p, i64, i64, i64, p, p, p, p, i64, i32]),
         "mw_panel_available": (i32, []),
+        "mw_packed_available": (i32, []),
+        "mw_packed_gemm": (i32, [p, i64, i64, p, p, p, i32, p, i64, i64]),
+        "mw_packed_gemm_p16": (i32, [p, i64, i64, p, p, p, i32, p, i64, i64]),
+        "mw_packed_rows": (None, [p, p, p, i64, i32, p, i64, p]),
         "mw_q4_gemm_p16": (i32, [p, i64, i64, p, p, p, p, i64, i32]),
         "mw_q8_gemm_p16": (i32, [p, i64, i64, i64, p, p, p, p, i64, i32]),
         "mw_paged_decode_attention": (i32, [p, p, p, p, i64, p, i64, i64, i64, i64, i64, i64,

@@ -43,17 +43,17 @@
 
 #include "kernels.h"
 
-enum { MW_F32 = 1, MW_Q4 = 2, MW_Q8 = 3 };
+enum { MW_F32 = 1, MW_Q4 = 2, MW_Q8 = 3, MW_PANELS = 4 };
 
 typedef struct {            /* one weight matrix [n, k]; y = x @ W^T (+ bias) */
-    int32_t kind;           /* MW_F32 (w: float [n, k]), MW_Q4 or MW_Q8 (w: codes, s, c) */
+    int32_t kind;           /* MW_F32 (w: float [n, k]), MW_Q4, MW_Q8 or MW_PANELS (w: codes, s, c) */
     int32_t group;          /* MW_Q8: values per (s, c) pair */
     int64_t n, k;
     const void* w;
     const void* s;          /* a scale table in the format half names (kernels.h) */
     const void* c;
     const float* bias;      /* [n] or NULL */
-    int64_t half;
+    int64_t half;           /* MW_PANELS: the MW_PK_* flags instead */
 } mw_part;
 
 typedef struct {            /* a projection: up to 3 parts whose outputs sit side by side */
@@ -144,6 +144,12 @@ static void part_apply(const mw_part* p, const float* x, int64_t M, float* y, in
                        float* tmp) {
     if (p->kind == MW_F32) {
         f32_gemm(x, M, p->k, (const float*)p->w, y, p->n, ldy);
+    } else if (p->kind == MW_PANELS) {
+        /* MW_MAX_ROWS tokens a call: every decode row takes the int8-digit tiles, bit for bit
+           what it would get alone (panels.py checked the shape: this cannot fail) */
+        for (int64_t m0 = 0; m0 < M; m0 += MW_MAX_ROWS)
+            mw_packed_gemm(x + m0 * p->k, M - m0 < MW_MAX_ROWS ? M - m0 : MW_MAX_ROWS, p->k,
+                           (const uint8_t*)p->w, p->s, p->c, (int)p->half, y + m0 * ldy, p->n, ldy);
     } else {
         for (int64_t m0 = 0; m0 < M; m0 += MW_MAX_ROWS) {
             int64_t rows = M - m0 < MW_MAX_ROWS ? M - m0 : MW_MAX_ROWS;

@@ -30,7 +30,7 @@ from memwall.kernels.cpu import build
 from memwall.kernels.cpu.layout import LayoutError, PackedWeight, describe
 from memwall.lora.layers import unwrap
 
-KINDS = {"f32": 1, "q4": 2, "q8": 3}  # MW_F32, MW_Q4, MW_Q8 in decode.c
+KINDS = {"f32": 1, "q4": 2, "q8": 3, "panels": 4}  # MW_F32, MW_Q4, MW_Q8, MW_PANELS in decode.c
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 
@@ -87,8 +87,9 @@ def _part(weight: PackedWeight) -> Part:
     def ptr(t: torch.Tensor | None) -> int | None:
         return None if t is None else t.data_ptr()
 
+    half = weight.flags if weight.kind == "panels" else weight.scale_format  # mw_part.half
     return Part(KINDS[weight.kind], weight.group, weight.n, weight.k, weight.codes.data_ptr(),
-                ptr(weight.scales), ptr(weight.offsets), ptr(weight.bias), int(weight.scale_format))
+                ptr(weight.scales), ptr(weight.offsets), ptr(weight.bias), int(half))
 
 
 def _proj(module: nn.Module, keep: list) -> Proj:

@@ -8,6 +8,8 @@
  *     int8_dot.c         q4/q8 matmuls of 1..MW_I8_MAX_ROWS tokens with int8-digit
  *                        activations (AVX512-VNNI)
  *     int8_tiles.c       prefill matmuls on K-quant weights with int8 activations (AVX2)
+ *     packed_gemm.c      q4/q8 matmuls of any number of tokens on weights packed into
+ *                        16-row panels at load, int8-digit activations (AVX-512 VNNI)
  *     panel_gemm.c       q4/q8 matmuls of more than MW_I8_MAX_ROWS tokens with int16
  *                        activations, 16 output rows across the lanes (AVX-512 VNNI)
  *     paged_attention.c  decode and prefill attention over paged KV blocks, read where they lie
@@ -123,6 +125,23 @@ int mw_q4_gemm_p16(const float* x, int64_t M, int64_t K, const uint8_t* codes, c
                    const void* c, float* y, int64_t N, int half);
 int mw_q8_gemm_p16(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
                    const void* s, const void* c, float* y, int64_t N, int half);
+
+/* packed_gemm.c: q4/q8 weights (a 32-value group, N a multiple of 16) packed into 16-row
+ * panels in place (memwall/kernels/cpu/panels.py packs them where mw_packed_available());
+ * flags say the format. y [M, N] with row stride ldy; 0 when it cannot (no AVX-512 VNNI, K not
+ * a multiple of 32, N not a multiple of 16) */
+#define MW_PK_Q8 1       /* int8 codes (stored + 128); else q4 nibbles */
+#define MW_PK_HALF 2     /* float16 scale and offset tables; else float32 */
+#define MW_PK_OFFSETS 4  /* an offset table c; else all offsets are zero (c not read) */
+int mw_packed_available(void);
+int mw_packed_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s,
+                   const void* c, int flags, float* y, int64_t N, int64_t ldy);
+/* panel_gemm.c's int16 panels on a packed weight (what mw_packed_gemm runs for more than
+ * MW_MAX_ROWS tokens); 0 when it cannot, as mw_q4_gemm_p16 */
+int mw_packed_gemm_p16(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s,
+                       const void* c, int flags, float* y, int64_t N, int64_t ldy);
+void mw_packed_rows(const uint8_t* codes, const void* s, const void* c, int64_t K, int flags,
+                    const int64_t* ids, int64_t T, float* out);
 
 /* elementwise.c: rows of float32, each computed alone (see the file) */
 void mw_rms_norm(const float* x, const float* residual, const float* w, float* out,

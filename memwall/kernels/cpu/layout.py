@@ -10,6 +10,8 @@ read only these descriptions, so nothing in memwall/kernels imports memwall/quan
                                                                block = 16 bytes, byte j holds
                                                                q[j] | q[j + 16] << 4
     q8    int8    [N, K]               float [N, K/group]      s * q + c,  group % 16 == 0
+    panels as q4 or q8 (group 32, N a multiple of 16), each 16-row group permuted in place
+          into the panels packed_gemm.c reads; flags say which format (panels.py)
 
 Scales and offsets are tables [N, K/group] in one of three formats, both the same
 (``scale_format``, the kernels' ``half`` argument; kernels.h says how they are read):
@@ -34,10 +36,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-KINDS = ("f32", "q4", "q8")
+KINDS = ("f32", "q4", "q8", "panels")
 Q4_BLOCK = 32  # inputs per (scale, offset) pair of a q4 weight
 Q8_ALIGN = 16  # a q8 group is a multiple of this many inputs (the kernels' vector width)
 _CODE_DTYPES = {"f32": torch.float32, "q4": torch.uint8, "q8": torch.int8}
+# a packed weight's flags (MW_PK_* in kernels.h)
+PANEL_Q8 = 1  # int8 codes; else q4
+PANEL_HALF = 2  # float16 scale and offset tables; else float32
+PANEL_OFFSETS = 4  # an offset table; else all offsets are zero
 SCALE_DTYPES = (torch.float32, torch.float16)  # the one-entry-each formats
 _D_BYTES = 4  # a two-level superblock's float32 d
 
@@ -50,14 +56,15 @@ class LayoutError(ValueError):
 class PackedWeight:
     """One weight matrix [n, k] as the kernels read it: y = x @ W^T (+ bias). Checked when made."""
 
-    kind: str  # "f32", "q4" or "q8" (see the module docstring)
-    group: int  # inputs per (scale, offset) pair: 32 for q4, the group for q8, 0 for f32
+    kind: str  # "f32", "q4", "q8" or "panels" (see the module docstring)
+    group: int  # inputs per (scale, offset) pair: 32 for q4 and panels, the group for q8, 0 for f32
     n: int  # output features
     k: int  # input features
     codes: torch.Tensor
     scales: torch.Tensor | None = None
     offsets: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    flags: int = 0  # panels only: PANEL_Q8 | PANEL_HALF | PANEL_OFFSETS
 
     @property
     def scale_format(self) -> int:
@@ -69,6 +76,20 @@ class PackedWeight:
             raise LayoutError(f"kind {self.kind!r} is not one of {KINDS}")
         if self.kind == "f32":
             _check_tensor("f32 weight", self.codes, torch.float32, (self.n, self.k))
+        elif self.kind == "panels":
+            if self.n % 16 or self.group != Q4_BLOCK or not 0 <= self.flags < 8:
+                raise LayoutError(f"panels: {self.n} rows must be a multiple of 16, the group "
+                                  f"{Q4_BLOCK}, flags 0..7 (got group {self.group}, flags {self.flags})")
+            kind = "q8" if self.flags & PANEL_Q8 else "q4"
+            n, group = check_packed(kind, self.k, self.codes, self.scales, self.offsets)
+            if (n, group) != (self.n, Q4_BLOCK) or self.scales.dim() != 2:
+                raise LayoutError(f"panels: a {kind} weight of {n} rows in groups of {group} "
+                                  f"with {self.scales.dim()}-D tables, not {self.n} rows in "
+                                  f"groups of {Q4_BLOCK} with 2-D tables")
+            half = self.scales.dtype == torch.float16
+            if bool(self.flags & PANEL_HALF) != half or bool(self.flags & PANEL_OFFSETS) != (self.offsets is not None):
+                raise LayoutError(f"panels: flags {self.flags} do not match the tables "
+                                  f"({self.scales.dtype}, offsets {self.offsets is not None})")
         else:
             n, group = check_packed(self.kind, self.k, self.codes, self.scales, self.offsets)
             if (n, group) != (self.n, self.group):

@@ -63,8 +63,9 @@ typedef struct {
 
 static void free_p16acts(p16acts* a) { free(a->acts); free(a->u); free(a->xsum); }
 
-/* x [M, K] -> p16acts (K a multiple of 32, G 16 or a multiple of 32); 0 when out of memory */
-static int quantize_p16(const float* x, int64_t M, int64_t K, int64_t G, p16acts* a) {
+/* x [M, K] -> p16acts (K a multiple of 32, G 16 or a multiple of 32); 0 when out of memory.
+ * quads: each 4 values stored in the order 0, 2, 1, 3 (the pairs packed panels unpack to) */
+static int quantize_p16(const float* x, int64_t M, int64_t K, int64_t G, int quads, p16acts* a) {
     const int64_t nb = K / ABLOCK, ng = K / G;
     a->acts = (int32_t*)aligned_alloc(64, (size_t)((M * K * 2 + 63) / 64 * 64));
     a->u = (float*)malloc(sizeof(float) * (size_t)(M * nb));
@@ -84,10 +85,14 @@ static int quantize_p16(const float* x, int64_t M, int64_t K, int64_t G, p16acts
             const __m512 id = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
             a->u[m * nb + b] = amax / 32767.f;
             /* round to nearest even (nearbyintf's), saturated into int16 */
-            _mm256_storeu_si256((__m256i*)(q + b * ABLOCK),
-                                _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v0, id))));
-            _mm256_storeu_si256((__m256i*)(q + b * ABLOCK + 16),
-                                _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v1, id))));
+            __m256i q0 = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v0, id)));
+            __m256i q1 = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v1, id)));
+            if (quads) {  /* 0 1 2 3 -> 0 2 1 3 in every 4 */
+                q0 = _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(q0, 0xD8), 0xD8);
+                q1 = _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(q1, 0xD8), 0xD8);
+            }
+            _mm256_storeu_si256((__m256i*)(q + b * ABLOCK), q0);
+            _mm256_storeu_si256((__m256i*)(q + b * ABLOCK + 16), q1);
             if (G == 16) {
                 xs[2 * b] = _mm512_reduce_add_ps(v0);
                 xs[2 * b + 1] = _mm512_reduce_add_ps(v1);
@@ -189,7 +194,7 @@ static int panel_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G
     if (G != 16 && G % ABLOCK) return 0;
     const int64_t ng = K / G, panels = (N + PANEL - 1) / PANEL;
     p16acts a;
-    if (!quantize_p16(x, M, K, G, &a)) return 0;
+    if (!quantize_p16(x, M, K, G, 0, &a)) return 0;
     int ok = 1;
     #pragma omp parallel
     {
@@ -230,7 +235,95 @@ static int panel_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G
     return ok;
 }
 
+/* One packed panel (packed_gemm.c's layout) as unpack_panel leaves a row-layout one: W[k / 2]
+ * lane r = an int16 pair of row r, S / C the rows' tables as float. The pairs come out as
+ * (4g, 4g + 2) and (4g + 1, 4g + 3) of each 4 inputs, which is why the activations go in
+ * quad order (quantize_p16). */
+static void unpack_packed(const uint8_t* codes, const void* s, const void* c, int64_t p,
+                          int64_t K, int flags, __m512i* W, float* S, float* C) {
+    const int64_t nb = K / ABLOCK, cb = flags & MW_PK_Q8 ? 512 : 256;
+    const uint8_t* panel = codes + p * nb * cb;
+    const __m512i m4 = _mm512_set1_epi32(0x000F000F), bias = _mm512_set1_epi32((int)0x80808080u);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = panel + b * cb;
+        __m512i* w = W + b * PANEL;
+        if (flags & MW_PK_Q8) {  /* vector i: inputs 4i..4i+3, signed + 128 */
+            for (int i = 0; i < 8; i++) {
+                const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * i), bias);
+                w[2 * i] = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8);
+                w[2 * i + 1] = _mm512_srai_epi16(v, 8);
+            }
+        } else {  /* vector i: low nibbles inputs 4i..4i+3, high nibbles 16+4i.. */
+            for (int i = 0; i < 4; i++) {
+                const __m512i v = _mm512_loadu_si512(blk + 64 * i);
+                w[2 * i] = _mm512_and_si512(v, m4);
+                w[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 8), m4);
+                w[8 + 2 * i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                w[8 + 2 * i + 1] = _mm512_srli_epi16(v, 12);
+            }
+        }
+    }
+    for (int which = 0; which < (flags & MW_PK_OFFSETS ? 2 : 1); which++) {
+        const void* t = which ? c : s;
+        float* dst = which ? C : S;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t e = (p * nb + b) * PANEL;
+            _mm512_store_ps(dst + b * PANEL, flags & MW_PK_HALF
+                            ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)t + e)))
+                            : _mm512_loadu_ps((const float*)t + e));
+        }
+    }
+}
+
+int mw_packed_gemm_p16(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s,
+                       const void* c, int flags, float* y, int64_t N, int64_t ldy) {
+    if (!mw_int_acts || M <= 0 || N <= 0 || K <= 0 || K % ABLOCK || N % PANEL) return 0;
+    const int64_t nb = K / ABLOCK, panels = N / PANEL;
+    p16acts a;
+    if (!quantize_p16(x, M, K, ABLOCK, 1, &a)) return 0;
+    int ok = 1;
+    #pragma omp parallel
+    {
+        __m512i* W = (__m512i*)aligned_alloc(64, (size_t)(K / 2) * 64);
+        float* S = (float*)aligned_alloc(64, sizeof(float) * (size_t)(nb * PANEL));
+        float* C = (float*)aligned_alloc(64, sizeof(float) * (size_t)(nb * PANEL));
+        const int fine = W && S && C;
+        if (!fine) {
+            #pragma omp atomic write
+            ok = 0;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            if (!fine) continue;
+            const int64_t n0 = p * PANEL;
+            const __mmask16 mask = (__mmask16)0xFFFF;
+            unpack_packed(codes, s, c, p, K, flags, W, S, C);
+            const float* co = flags & MW_PK_OFFSETS ? C : NULL;
+            for (int64_t m0 = 0; m0 < M; m0 += PT) {
+                const int64_t tm = M - m0 < PT ? M - m0 : PT;
+                const int32_t* at = a.acts + m0 * (K / 2);
+                const float* ut = a.u + m0 * nb;
+                const float* xt = a.xsum + m0 * nb;
+                float* yt = y + m0 * ldy + n0;
+#define MW_PACKED_TILE(tm, unused) panel_tile(tm, 16, W, S, co, K, ABLOCK, at, ut, xt, yt, ldy, mask)
+                switch (tm) { MW_TM_CASES(MW_PACKED_TILE, 0) }
+#undef MW_PACKED_TILE
+            }
+        }
+        free(W); free(S); free(C);
+    }
+    free_p16acts(&a);
+    return ok;
+}
+
 #else
+
+int mw_packed_gemm_p16(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s,
+                       const void* c, int flags, float* y, int64_t N, int64_t ldy) {
+    (void)x; (void)M; (void)K; (void)codes; (void)s; (void)c; (void)flags; (void)y; (void)N;
+    (void)ldy;
+    return 0;
+}
 
 static int panel_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G, const void* codes,
                       const void* s, const void* c, float* y, int64_t N, int half) {
