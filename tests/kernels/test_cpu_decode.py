@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from memwall.attention.metadata import AttentionMetadata
-from memwall.kernels.cpu import quant_ops
+from memwall.kernels.cpu import panels, quant_ops
 from memwall.kernels.cpu.decode import NativeDecoder, paged_decode_attention
 from memwall.loader.model_loader import load_model
 from memwall.quant import quantize_model
+from memwall.quant.packing import pack_model
 from memwall.worker.cpu_decode import FusedCpuDecode
 from memwall.worker.kv_cache import KVCachePlan, allocate_kv_cache
 
@@ -120,6 +121,21 @@ def test_native_decode_on_the_embedded_gguf(gguf_path):
     prompts = _prompts(loaded.arch.vocab_size, (12, 30, 7))
     ref, _ = _run_steps(loaded.model, loaded.arch, prompts, 8, native_decode=False)
     got, _ = _run_steps(loaded.model, loaded.arch, prompts, 8, native_decode=True)
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=2e-4)
+
+
+@torch.inference_mode()
+@pytest.mark.skipif(not panels.available(), reason="needs the AVX-512 VNNI kernels (packed panels)")
+def test_native_decode_on_packed_panels_past_16_rows(gguf_path):
+    """20 sequences: decode.c multiplies a packed weight 16 rows a call (then 4), writing each
+    chunk's rows into the projection's output at their stride; the torch path takes all 20 at
+    once. Both on the packed weights, the tied embedding reading the panels' rows."""
+    loaded = load_model(str(gguf_path))
+    assert pack_model(loaded.model).layers
+    prompts = _prompts(loaded.arch.vocab_size, tuple(3 + i for i in range(20)))
+    ref, _ = _run_steps(loaded.model, loaded.arch, prompts, 4, native_decode=False)
+    got, _ = _run_steps(loaded.model, loaded.arch, prompts, 4, native_decode=True)
     for a, b in zip(ref, got):
         torch.testing.assert_close(b, a, atol=2e-4, rtol=2e-4)
 
