@@ -61,7 +61,7 @@ class PanelMethod(QuantMethod):
         return self.inner.supports(out_features, in_features)
 
     def column_unit(self, layer: QuantLinear) -> int | None:
-        return self.inner.column_unit(self.unpacked(layer))
+        return self.inner.column_unit(layer)  # read from the tables' shapes, which packing keeps
 
     def take_rows(self, layer: QuantLinear, index: torch.Tensor) -> QuantWeights | None:
         return self.inner.take_rows(self.unpacked(layer), index)

@@ -195,7 +195,7 @@ static inline __attribute__((always_inline)) void pk_tile(
             const uint8_t* blk = codes + e * cb;
             #pragma GCC unroll 8
             for (int i = 0; i < cb / 64; i++) _mm_prefetch((const char*)(blk + PK_PREFETCH + 64 * i), _MM_HINT_T0);
-            if ((e & 3) == 0) {  /* 16 entries: 64 bytes every 4 blocks (float16: 2) */
+            if (((e * 16 * eb) & 63) == 0) {  /* a block's 16 entries: a line a block (float16: two) */
                 _mm_prefetch((const char*)S + e * 16 * eb + PK_PREFETCH / 8, _MM_HINT_T0);
                 if (OFF) _mm_prefetch((const char*)C + e * 16 * eb + PK_PREFETCH / 8, _MM_HINT_T0);
             }
