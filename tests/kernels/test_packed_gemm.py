@@ -15,20 +15,32 @@ import pytest
 import torch
 
 from memwall.kernels.cpu import build, panels, quant_ops
-from memwall.kernels.cpu.layout import LayoutError, PackedWeight
+from memwall.kernels.cpu.layout import LayoutError, PackedWeight, two_level_table
 
 pytestmark = pytest.mark.skipif(not panels.available(),
                                 reason="needs the AVX-512 VNNI kernels (this CPU or build lacks them)")
 
-FORMATS = [(kind, half, off) for kind in ("q4", "q8") for half in (False, True) for off in (False, True)]
+# half: float16 tables (True), float32 (False) or two-level, 8 sub-values a superblock ("K")
+FORMATS = [(kind, half, off) for kind in ("q4", "q8") for half in (False, True, "K")
+           for off in (False, True)]
 SHAPES = [(16, 32), (48, 96), (192, 576), (64, 1536)]
 
 
-def _weight(kind: str, n: int, k: int, half: bool, off: bool, seed: int = 0) -> PackedWeight:
+def _weight(kind: str, n: int, k: int, half, off: bool, seed: int = 0) -> PackedWeight:
     g = torch.Generator().manual_seed(seed)
-    dtype = torch.float16 if half else torch.float32
-    s = (torch.rand(n, k // 32, generator=g) * 0.02 + 0.001).to(dtype)
-    c = (torch.randn(n, k // 32, generator=g) * 0.05).to(dtype) if off else None
+    if half == "K":  # K-quants' tables: a float32 d a superblock of 8 blocks, int8 sub-values
+        k = max(256, k // 256 * 256)
+        supers = k // 256
+
+        def table(lo: int) -> torch.Tensor:
+            d = torch.rand(n, supers, generator=g) * 0.002 + 1e-4
+            return two_level_table(d, torch.randint(lo, 64, (n, 8 * supers), generator=g))
+
+        s, c = table(1), table(-63) if off else None
+    else:
+        dtype = torch.float16 if half else torch.float32
+        s = (torch.rand(n, k // 32, generator=g) * 0.02 + 0.001).to(dtype)
+        c = (torch.randn(n, k // 32, generator=g) * 0.05).to(dtype) if off else None
     if kind == "q4":
         codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
     else:
@@ -68,7 +80,7 @@ def test_pack_is_a_permutation(kind, half, off, n, k):
     before = [t.clone() for t in (w.codes, w.scales, w.offsets) if t is not None]
     packed = panels.pack_(dataclasses.replace(w))
     assert packed.kind == "panels" and packed.codes is w.codes  # in place: no second copy
-    if n > 16 or k > 32:
+    if n > 16 or w.k > 32:
         assert not torch.equal(packed.codes, before[0])
     back = panels.unpack_(packed)
     assert back.kind == kind
@@ -81,6 +93,7 @@ def test_pack_is_a_permutation(kind, half, off, n, k):
 def test_rows_alone_and_in_batches_agree_bit_for_bit(kind, half, off, n, k):
     w = _weight(kind, n, k, half, off)
     packed = _packed_copy(w)
+    k = w.k
     x = _activations(16, k)
     ref = x.double() @ _dense(w).double().T
     alone = torch.cat([panels.matmul(x[i:i + 1].contiguous(), packed) for i in range(16)])
@@ -94,7 +107,7 @@ def test_rows_alone_and_in_batches_agree_bit_for_bit(kind, half, off, n, k):
 def test_many_tokens_take_the_int16_panels(kind, half, off, m):
     w = _weight(kind, 64, 576, half, off)
     packed = _packed_copy(w)
-    x = _activations(m, 576)
+    x = _activations(m, w.k)
     y = panels.matmul(x, packed)
     assert _rel_err(y, x.double() @ _dense(w).double().T) < 1e-4
 
@@ -103,7 +116,7 @@ def test_many_tokens_take_the_int16_panels(kind, half, off, m):
 def test_exact_mode_is_fp32(kind, half, off):
     w = _weight(kind, 48, 576, half, off)
     packed = _packed_copy(w)
-    x = _activations(20, 576)
+    x = _activations(20, w.k)
     ref = x.double() @ _dense(w).double().T
     quant_ops.set_int_acts(False)
     try:

@@ -10,8 +10,9 @@ read only these descriptions, so nothing in memwall/kernels imports memwall/quan
                                                                block = 16 bytes, byte j holds
                                                                q[j] | q[j + 16] << 4
     q8    int8    [N, K]               float [N, K/group]      s * q + c,  group % 16 == 0
-    panels as q4 or q8 (group 32, N a multiple of 16), each 16-row group permuted in place
-          into the panels packed_gemm.c reads; flags say which format (panels.py)
+    panels as q4 or q8 (group 32, N a multiple of 16; two-level tables: 8 sub-values a
+          superblock), each 16-row group permuted in place into the panels packed_gemm.c
+          reads; flags say which format (panels.py)
 
 Scales and offsets are tables [N, K/group] in one of three formats, both the same
 (``scale_format``, the kernels' ``half`` argument; kernels.h says how they are read):
@@ -44,6 +45,7 @@ _CODE_DTYPES = {"f32": torch.float32, "q4": torch.uint8, "q8": torch.int8}
 PANEL_Q8 = 1  # int8 codes; else q4
 PANEL_HALF = 2  # float16 scale and offset tables; else float32
 PANEL_OFFSETS = 4  # an offset table; else all offsets are zero
+PANEL_TWO_LEVEL = 8  # two-level tables with 8 sub-values a superblock (Q4_K, Q5_K)
 SCALE_DTYPES = (torch.float32, torch.float16)  # the one-entry-each formats
 _D_BYTES = 4  # a two-level superblock's float32 d
 
@@ -77,17 +79,19 @@ class PackedWeight:
         if self.kind == "f32":
             _check_tensor("f32 weight", self.codes, torch.float32, (self.n, self.k))
         elif self.kind == "panels":
-            if self.n % 16 or self.group != Q4_BLOCK or not 0 <= self.flags < 8:
+            if self.n % 16 or self.group != Q4_BLOCK or not 0 <= self.flags < 16:
                 raise LayoutError(f"panels: {self.n} rows must be a multiple of 16, the group "
-                                  f"{Q4_BLOCK}, flags 0..7 (got group {self.group}, flags {self.flags})")
+                                  f"{Q4_BLOCK}, flags 0..15 (got group {self.group}, flags {self.flags})")
             kind = "q8" if self.flags & PANEL_Q8 else "q4"
             n, group = check_packed(kind, self.k, self.codes, self.scales, self.offsets)
-            if (n, group) != (self.n, Q4_BLOCK) or self.scales.dim() != 2:
+            two_level = self.scales.dim() == 3
+            if (n, group) != (self.n, Q4_BLOCK) or (two_level and scale_format(self.scales) != 8):
                 raise LayoutError(f"panels: a {kind} weight of {n} rows in groups of {group} "
-                                  f"with {self.scales.dim()}-D tables, not {self.n} rows in "
-                                  f"groups of {Q4_BLOCK} with 2-D tables")
+                                  f"(tables {list(self.scales.shape)}), not {self.n} rows in "
+                                  f"groups of {Q4_BLOCK} (two-level: 8 sub-values a superblock)")
             half = self.scales.dtype == torch.float16
-            if bool(self.flags & PANEL_HALF) != half or bool(self.flags & PANEL_OFFSETS) != (self.offsets is not None):
+            if (bool(self.flags & PANEL_HALF) != half or bool(self.flags & PANEL_TWO_LEVEL) != two_level
+                    or bool(self.flags & PANEL_OFFSETS) != (self.offsets is not None)):
                 raise LayoutError(f"panels: flags {self.flags} do not match the tables "
                                   f"({self.scales.dtype}, offsets {self.offsets is not None})")
         else:

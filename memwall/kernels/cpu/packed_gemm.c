@@ -25,8 +25,9 @@
  *           16+4i..16+4i+3; q8 (CB 512): 8 vectors, the signed codes + 128 (vpdpbusd's
  *           unsigned operand)
  *   s, c    16 entries (lane r = row 16p + r) at (p nb + b) 16: float32, or float16 with
- *           MW_PK_HALF; c only with MW_PK_OFFSETS (all-zero offsets are left out, as
- *           layout.py allows)
+ *           MW_PK_HALF; with MW_PK_TWO_LEVEL (Q4_K, Q5_K: 8 blocks a superblock) per panel and
+ *           superblock 16 float32 d, then 8 x 16 int8 sub-values (entry = d * sub); c only
+ *           with MW_PK_OFFSETS (all-zero offsets are left out, as layout.py allows)
  *
  * Activations: each 32-value block of a token as d * (256 hi + lo), two int8 digits
  * (int8_dot.c's encoding: hi = round(x / d), d = max|x| / 127, lo the rounded remainder in
@@ -61,14 +62,33 @@ int mw_packed_available(void) {
 
 /* bytes of one block of a panel's codes, and of its 16 scale (or offset) entries */
 static inline int64_t pk_code_bytes(int flags) { return flags & MW_PK_Q8 ? 512 : 256; }
-static inline int64_t pk_entry_bytes(int flags) { return flags & MW_PK_HALF ? 2 : 4; }
+
+/* entry r of panel p, block b of a scale or offset table (mw_packed_table's formats), plain C */
+static inline float pk_entry(const void* t, int64_t p, int64_t b, int64_t nb, int r, int flags) {
+    const uint8_t* u = (const uint8_t*)t;
+    if (flags & MW_PK_TWO_LEVEL) {
+        const uint8_t* g = u + (p * (nb / 8) + b / 8) * 192;
+        float d;
+        memcpy(&d, g + 4 * r, 4);
+        return d * (float)(int8_t)g[64 + 16 * (b % 8) + r];
+    }
+    const int64_t e = (p * nb + b) * 16 + r;
+    if (flags & MW_PK_HALF) {
+        uint16_t h;
+        memcpy(&h, u + e * 2, 2);
+        return mw_half_to_float(h);
+    }
+    float f;
+    memcpy(&f, u + e * 4, 4);
+    return f;
+}
 
 /* Rows ids[0..T-1] of the packed weight as float32 [T, K]: s * q + c, the reference
  * dequantizer's rounding (an embedding lookup in a table tied to a packed LM head). Plain C:
  * it runs for a step's tokens, not for a matmul. */
 void mw_packed_rows(const uint8_t* codes, const void* s, const void* c, int64_t K, int flags,
                     const int64_t* ids, int64_t T, float* out) {
-    const int64_t nb = K / 32, cb = pk_code_bytes(flags), eb = pk_entry_bytes(flags);
+    const int64_t nb = K / 32, cb = pk_code_bytes(flags);
     const int q8 = flags & MW_PK_Q8;
     for (int64_t t = 0; t < T; t++) {
         const int64_t p = ids[t] / 16;
@@ -76,17 +96,8 @@ void mw_packed_rows(const uint8_t* codes, const void* s, const void* c, int64_t 
         float* row = out + t * K;
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t* blk = codes + (p * nb + b) * cb;
-            const int64_t e = (p * nb + b) * 16 + r;
-            float sv, cv = 0.f;
-            if (eb == 2) {
-                uint16_t h;
-                memcpy(&h, (const uint8_t*)s + e * 2, 2);
-                sv = mw_half_to_float(h);
-                if (flags & MW_PK_OFFSETS) { memcpy(&h, (const uint8_t*)c + e * 2, 2); cv = mw_half_to_float(h); }
-            } else {
-                memcpy(&sv, (const uint8_t*)s + e * 4, 4);
-                if (flags & MW_PK_OFFSETS) memcpy(&cv, (const uint8_t*)c + e * 4, 4);
-            }
+            const float sv = pk_entry(s, p, b, nb, r, flags);
+            const float cv = flags & MW_PK_OFFSETS ? pk_entry(c, p, b, nb, r, flags) : 0.f;
             for (int j = 0; j < 32; j++) {
                 int q;
                 if (q8) {
@@ -167,22 +178,17 @@ static int quantize_pk(const float* x, int64_t M, int64_t K, pk_acts* a) {
     return 1;
 }
 
-/* the 16 entries of panel block e (p nb + b) of a scale or offset table, as float */
-static inline __m512 pk_table(const void* t, int64_t e, int half) {
-    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)t + e * 16)))
-                : _mm512_loadu_ps((const float*)t + e * 16);
-}
-
 /* TM tokens (digits at hi/lo + t * K) against NP consecutive panels from panel p (one token
  * alone takes PK_NP panels a pass: more independent work hides vpdpbusd's latency and keeps
  * more of the weight stream in flight); the 16 outputs of token t and panel p + u go to
- * y + t * ldy + 16 u. NP, TM, Q8, HALF, OFF compile-time. */
+ * y + t * ldy + 16 u. NP, TM, Q8, FMT (mw_packed_table's), OFF compile-time. */
 static inline __attribute__((always_inline)) void pk_tile(
-        const int NP, const int TM, const int Q8, const int HALF, const int OFF,
+        const int NP, const int TM, const int Q8, const int FMT, const int OFF,
         const uint8_t* codes, const void* S, const void* C, int64_t p, int64_t K,
         const int8_t* hi, const int8_t* lo, const float* dq, const int32_t* asum,
         const float* xs, float* y, int64_t ldy) {
-    const int64_t nb = K / 32, cb = Q8 ? 512 : 256, eb = HALF ? 2 : 4;
+    const int64_t nb = K / 32, cb = Q8 ? 512 : 256;
+    const int64_t tb = FMT == 2 ? 24 : (FMT ? 32 : 64);  /* table bytes a block */
     const __m512i low4 = _mm512_set1_epi8(15);
     __m512 f[PK_NP][PK_TM];
     for (int u = 0; u < NP; u++)
@@ -195,9 +201,9 @@ static inline __attribute__((always_inline)) void pk_tile(
             const uint8_t* blk = codes + e * cb;
             #pragma GCC unroll 8
             for (int i = 0; i < cb / 64; i++) _mm_prefetch((const char*)(blk + PK_PREFETCH + 64 * i), _MM_HINT_T0);
-            if (((e * 16 * eb) & 63) == 0) {  /* a block's 16 entries: a line a block (float16: two) */
-                _mm_prefetch((const char*)S + e * 16 * eb + PK_PREFETCH / 8, _MM_HINT_T0);
-                if (OFF) _mm_prefetch((const char*)C + e * 16 * eb + PK_PREFETCH / 8, _MM_HINT_T0);
+            if (((e * tb) & 63) < tb) {  /* the block whose entries start a new line */
+                _mm_prefetch((const char*)S + e * tb + PK_PREFETCH / 8, _MM_HINT_T0);
+                if (OFF) _mm_prefetch((const char*)C + e * tb + PK_PREFETCH / 8, _MM_HINT_T0);
             }
             __m512i w[8];
             if (Q8) {
@@ -211,8 +217,8 @@ static inline __attribute__((always_inline)) void pk_tile(
                     w[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
                 }
             }
-            const __m512 sv = pk_table(S, e, HALF);
-            const __m512 cv = OFF ? pk_table(C, e, HALF) : _mm512_setzero_ps();
+            const __m512 sv = mw_packed_table(S, p + u, b, nb, FMT);
+            const __m512 cv = OFF ? mw_packed_table(C, p + u, b, nb, FMT) : _mm512_setzero_ps();
             #pragma GCC unroll 8
             for (int t = 0; t < TM; t++) {
                 const int32_t* h = (const int32_t*)(hi + t * K + 32 * b);
@@ -254,7 +260,7 @@ static inline __attribute__((always_inline)) void pk_tile(
 
 /* The fp32 reference on the same layout: TM tokens of x (row stride K) against one panel. */
 static inline __attribute__((always_inline)) void pk_tile_f32(
-        const int TM, const int Q8, const int HALF, const int OFF, const uint8_t* codes,
+        const int TM, const int Q8, const int FMT, const int OFF, const uint8_t* codes,
         const void* S, const void* C, int64_t p, int64_t K, const float* x, float* y,
         int64_t ldy) {
     const int64_t nb = K / 32, cb = Q8 ? 512 : 256;
@@ -265,8 +271,8 @@ static inline __attribute__((always_inline)) void pk_tile_f32(
     for (int64_t b = 0; b < nb; b++) {
         const int64_t e = p * nb + b;
         const uint8_t* blk = codes + e * cb;
-        const __m512 sv = pk_table(S, e, HALF);
-        const __m512 cv = OFF ? pk_table(C, e, HALF) : _mm512_setzero_ps();
+        const __m512 sv = mw_packed_table(S, p, b, nb, FMT);
+        const __m512 cv = OFF ? mw_packed_table(C, p, b, nb, FMT) : _mm512_setzero_ps();
         for (int i = 0; i < (Q8 ? 8 : 4); i++) {
             __m512i raw = _mm512_loadu_si512(blk + 64 * i);
             if (Q8) raw = _mm512_xor_si512(raw, bias);  /* back to signed bytes */
@@ -302,17 +308,17 @@ static inline __attribute__((always_inline)) void pk_tile_f32(
 /* one panel's tiles for every token, the format's flags as compile-time constants */
 /* one format's work for the panels of this thread, the format's flags compile-time: one token
  * takes PK_NP panels a pass; more tokens PK_TM at a time against each panel */
-#define PK_FORMAT(Q8, HALF, OFF)                                                            \
+#define PK_FORMAT(Q8, FMT, OFF)                                                            \
     if (M == 1 && !exact) {                                                                 \
         _Pragma("omp for schedule(static)")                                                 \
         for (int64_t q = 0; q < (panels + PK_NP - 1) / PK_NP; q++) {                        \
             const int64_t p = q * PK_NP;                                                    \
             if (p + PK_NP <= panels)                                                        \
-                pk_tile(PK_NP, 1, Q8, HALF, OFF, codes, s, c, p, K, a.hi, a.lo, a.dq,       \
+                pk_tile(PK_NP, 1, Q8, FMT, OFF, codes, s, c, p, K, a.hi, a.lo, a.dq,       \
                         a.asum, a.xs, y + p * 16, ldy);                                     \
             else                                                                            \
                 for (int64_t u = p; u < panels; u++)                                        \
-                    pk_tile(1, 1, Q8, HALF, OFF, codes, s, c, u, K, a.hi, a.lo, a.dq,       \
+                    pk_tile(1, 1, Q8, FMT, OFF, codes, s, c, u, K, a.hi, a.lo, a.dq,       \
                             a.asum, a.xs, y + u * 16, ldy);                                 \
         }                                                                                   \
     } else {                                                                                \
@@ -323,35 +329,39 @@ static inline __attribute__((always_inline)) void pk_tile_f32(
                 float* yt = y + m0 * ldy + p * 16;                                          \
                 if (exact) {                                                                \
                     const float* xt = x + m0 * K;                                           \
-                    switch (tm) { PK_CASES(PK_F32, Q8, HALF, OFF) }                         \
+                    switch (tm) { PK_CASES(PK_F32, Q8, FMT, OFF) }                         \
                 } else {                                                                    \
-                    switch (tm) { PK_CASES(PK_I8, Q8, HALF, OFF) }                          \
+                    switch (tm) { PK_CASES(PK_I8, Q8, FMT, OFF) }                          \
                 }                                                                           \
             }                                                                               \
     }
-#define PK_F32(tm, Q8, HALF, OFF) pk_tile_f32(tm, Q8, HALF, OFF, codes, s, c, p, K, xt, yt, ldy)
-#define PK_I8(tm, Q8, HALF, OFF) pk_tile(1, tm, Q8, HALF, OFF, codes, s, c, p, K, a.hi + m0 * K, \
+#define PK_F32(tm, Q8, FMT, OFF) pk_tile_f32(tm, Q8, FMT, OFF, codes, s, c, p, K, xt, yt, ldy)
+#define PK_I8(tm, Q8, FMT, OFF) pk_tile(1, tm, Q8, FMT, OFF, codes, s, c, p, K, a.hi + m0 * K, \
                                          a.lo + m0 * K, a.dq + o, a.asum + o, a.xs + o, yt, ldy)
 
 int mw_packed_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s,
                    const void* c, int flags, float* y, int64_t N, int64_t ldy) {
     if (M <= 0 || N <= 0) return 1;
-    if (K <= 0 || K % 32 || N % 16) return 0;
+    if (K <= 0 || K % 32 || N % 16 || (flags & MW_PK_TWO_LEVEL && K % 256)) return 0;
     if (M > MW_MAX_ROWS && mw_packed_gemm_p16(x, M, K, codes, s, c, flags, y, N, ldy)) return 1;
     const int64_t nb = K / 32, panels = N / 16;
     pk_acts a = {0};
     /* no memory for the digits: the fp32 path, which needs none (so this never fails) */
     const int exact = !mw_int_acts || !quantize_pk(x, M, K, &a);
     #pragma omp parallel
-    switch (flags & (MW_PK_Q8 | MW_PK_HALF | MW_PK_OFFSETS)) {
+    switch ((flags & MW_PK_Q8) * 8 + mw_packed_fmt(flags) * 2 + !!(flags & MW_PK_OFFSETS)) {
         case 0: PK_FORMAT(0, 0, 0) break;
-        case MW_PK_OFFSETS: PK_FORMAT(0, 0, 1) break;
-        case MW_PK_HALF: PK_FORMAT(0, 1, 0) break;
-        case MW_PK_HALF | MW_PK_OFFSETS: PK_FORMAT(0, 1, 1) break;
-        case MW_PK_Q8: PK_FORMAT(1, 0, 0) break;
-        case MW_PK_Q8 | MW_PK_OFFSETS: PK_FORMAT(1, 0, 1) break;
-        case MW_PK_Q8 | MW_PK_HALF: PK_FORMAT(1, 1, 0) break;
-        default: PK_FORMAT(1, 1, 1) break;
+        case 1: PK_FORMAT(0, 0, 1) break;
+        case 2: PK_FORMAT(0, 1, 0) break;
+        case 3: PK_FORMAT(0, 1, 1) break;
+        case 4: PK_FORMAT(0, 2, 0) break;
+        case 5: PK_FORMAT(0, 2, 1) break;
+        case 8: PK_FORMAT(1, 0, 0) break;
+        case 9: PK_FORMAT(1, 0, 1) break;
+        case 10: PK_FORMAT(1, 1, 0) break;
+        case 11: PK_FORMAT(1, 1, 1) break;
+        case 12: PK_FORMAT(1, 2, 0) break;
+        default: PK_FORMAT(1, 2, 1) break;
     }
     if (!exact) free_pk_acts(&a);
     return 1;

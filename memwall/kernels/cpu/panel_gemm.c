@@ -263,21 +263,16 @@ static void unpack_packed(const uint8_t* codes, const void* s, const void* c, in
             }
         }
     }
-    for (int which = 0; which < (flags & MW_PK_OFFSETS ? 2 : 1); which++) {
-        const void* t = which ? c : s;
-        float* dst = which ? C : S;
-        for (int64_t b = 0; b < nb; b++) {
-            const int64_t e = (p * nb + b) * PANEL;
-            _mm512_store_ps(dst + b * PANEL, flags & MW_PK_HALF
-                            ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)t + e)))
-                            : _mm512_loadu_ps((const float*)t + e));
-        }
-    }
+    for (int which = 0; which < (flags & MW_PK_OFFSETS ? 2 : 1); which++)
+        for (int64_t b = 0; b < nb; b++)
+            _mm512_store_ps((which ? C : S) + b * PANEL,
+                            mw_packed_table(which ? c : s, p, b, nb, mw_packed_fmt(flags)));
 }
 
 int mw_packed_gemm_p16(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s,
                        const void* c, int flags, float* y, int64_t N, int64_t ldy) {
     if (!mw_int_acts || M <= 0 || N <= 0 || K <= 0 || K % ABLOCK || N % PANEL) return 0;
+    if (flags & MW_PK_TWO_LEVEL && K % 256) return 0;
     const int64_t nb = K / ABLOCK, panels = N / PANEL;
     p16acts a;
     if (!quantize_p16(x, M, K, ABLOCK, 1, &a)) return 0;

@@ -11,7 +11,8 @@ rows are bit-identical to one-token calls.
                         (no second copy: a packed weight takes the memory it took before)
     unpack_(weight)     the inverse, in place, bit for bit
     fits(weight)        whether pack_ takes it: q4, or q8 with a 32-value group; float32 or
-                        float16 tables (not two-level); N a multiple of 16
+                        float16 tables, or two-level ones with 8 sub-values a superblock
+                        (GGUF's Q4_K, Q5_K); N a multiple of 16
     matmul(x, weight)   x float32 [M, K] -> [M, N]
     rows(weight, ids)   rows of the weight as float32 (an embedding tied to a packed LM head)
 
@@ -27,11 +28,13 @@ import os
 import torch
 
 from memwall.kernels.cpu import amx, build
-from memwall.kernels.cpu.layout import (PANEL_HALF, PANEL_OFFSETS, PANEL_Q8, LayoutError,
-                                        PackedWeight, check_input, table_ptr)
+from memwall.kernels.cpu.layout import (PANEL_HALF, PANEL_OFFSETS, PANEL_Q8, PANEL_TWO_LEVEL,
+                                        LayoutError, PackedWeight, check_input, scale_format,
+                                        table_ptr)
 
 ROWS = 16  # a panel's rows: one 32-bit lane each
 BLOCK = 32  # inputs a scale (and a panel block)
+SUPER = 8  # blocks a superblock of a two-level table (Q4_K, Q5_K: 256 values)
 _CHUNK_ROWS = 4096  # rows permuted at a time: the scratch stays small for a 128k-row LM head
 # (each chunk is permuted into a fresh copy, then written back: with one block a row the
 # permutation is the identity and torch would hand back the chunk itself)
@@ -50,9 +53,10 @@ def fits(weight: PackedWeight) -> bool:
     """Whether ``pack_`` takes this weight (the module docstring)."""
     if weight.kind not in ("q4", "q8") or weight.group != BLOCK or weight.n % ROWS:
         return False
-    if weight.scales.dim() != 2:
+    if weight.scales.dim() == 3 and (scale_format(weight.scales) != SUPER or weight.k % (SUPER * BLOCK)):
         return False
-    return weight.offsets is None or weight.offsets.dtype == weight.scales.dtype
+    return weight.offsets is None or (weight.offsets.dtype == weight.scales.dtype
+                                      and weight.offsets.dim() == weight.scales.dim())
 
 
 def pack_(weight: PackedWeight) -> PackedWeight:
@@ -75,10 +79,10 @@ def pack_(weight: PackedWeight) -> PackedWeight:
     tables = [weight.scales] + ([weight.offsets] if weight.offsets is not None else [])
     for table in tables:
         for r0 in range(0, weight.n, _CHUNK_ROWS):
-            chunk = table[r0:r0 + _CHUNK_ROWS]
-            lanes = chunk.reshape(-1, ROWS, chunk.shape[1]).permute(0, 2, 1)
-            chunk.copy_(lanes.clone(memory_format=torch.contiguous_format).reshape(chunk.shape))
+            _permute_table(table[r0:r0 + _CHUNK_ROWS], pack=True)
+    two_level = weight.scales.dim() == 3
     flags = ((PANEL_Q8 if q8 else 0) | (PANEL_HALF if weight.scales.dtype == torch.float16 else 0)
+             | (PANEL_TWO_LEVEL if two_level else 0)
              | (PANEL_OFFSETS if weight.offsets is not None else 0))
     return dataclasses.replace(weight, kind="panels", flags=flags)
 
@@ -98,9 +102,7 @@ def unpack_(weight: PackedWeight) -> PackedWeight:
     tables = [weight.scales] + ([weight.offsets] if weight.offsets is not None else [])
     for table in tables:
         for r0 in range(0, weight.n, _CHUNK_ROWS):
-            chunk = table[r0:r0 + _CHUNK_ROWS]
-            rows_ = chunk.reshape(-1, chunk.shape[1], ROWS).permute(0, 2, 1)
-            chunk.copy_(rows_.clone(memory_format=torch.contiguous_format).reshape(chunk.shape))
+            _permute_table(table[r0:r0 + _CHUNK_ROWS], pack=False)
     return dataclasses.replace(weight, kind="q8" if q8 else "q4", flags=0)
 
 
@@ -136,6 +138,28 @@ def rows(weight: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
                                        table_ptr(weight.offsets), weight.k, weight.flags,
                                        flat.data_ptr(), flat.numel(), out.data_ptr())
     return out.view(*ids.shape, weight.k)
+
+
+def _permute_table(chunk: torch.Tensor, pack: bool) -> None:
+    """A scale or offset table's rows (a multiple of 16) into panel order (``pack``) or back,
+    in place. One entry a block: [16 rows, nb] -> [nb, 16]. Two-level: per superblock the 16
+    rows' float32 d side by side (64 bytes), then each of the 8 sub-values for the 16 rows."""
+    if chunk.dim() == 2:
+        g, nb = chunk.shape[0] // ROWS, chunk.shape[1]
+        shaped = (chunk.reshape(g, ROWS, nb) if pack else chunk.reshape(g, nb, ROWS)).permute(0, 2, 1)
+        chunk.copy_(shaped.clone(memory_format=torch.contiguous_format).reshape(chunk.shape))
+        return
+    g, supers, width = chunk.shape[0] // ROWS, chunk.shape[1], chunk.shape[2]
+    if pack:
+        rows_ = chunk.reshape(g, ROWS, supers, width)
+        d = rows_[..., :4].permute(0, 2, 1, 3).reshape(g, supers, ROWS * 4)
+        sub = rows_[..., 4:].permute(0, 2, 3, 1).reshape(g, supers, -1)
+        chunk.copy_(torch.cat([d, sub], dim=2).reshape(chunk.shape))
+    else:
+        lanes = chunk.reshape(g, supers, ROWS * width)
+        d = lanes[..., :ROWS * 4].reshape(g, supers, ROWS, 4)
+        sub = lanes[..., ROWS * 4:].reshape(g, supers, width - 4, ROWS).permute(0, 1, 3, 2)
+        chunk.copy_(torch.cat([d, sub], dim=3).permute(0, 2, 1, 3).reshape(chunk.shape))
 
 
 def _cloned(weight: PackedWeight) -> PackedWeight:
