@@ -188,13 +188,25 @@ static inline __attribute__((always_inline)) void panel_tile(
     for (int t = 0; t < TM; t++) _mm512_mask_storeu_ps(y + t * N, mask, acc[t]);
 }
 
-static int panel_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G, const void* codes,
-                      const void* s, const void* c, float* y, int64_t N, int half) {
-    if (!mw_int_acts || M <= 0 || N <= 0 || K <= 0 || K % ABLOCK) return 0;
-    if (G != 16 && G % ABLOCK) return 0;
+/* Where a panel's codes and tables come from: a weight in the row layout (unpack_panel
+ * transposes 16 rows) or one packed at load (unpack_packed only widens) */
+typedef struct {
+    int packed;         /* 1: packed_gemm.c's layout, flags below; 0: rows, is_q4 and half */
+    int is_q4, half, flags;
+    const void* codes;
+    const void* s;
+    const void* c;
+} panel_source;
+
+static void unpack_packed(const uint8_t* codes, const void* s, const void* c, int64_t p,
+                          int64_t K, int flags, __m512i* W, float* S, float* C);
+
+/* Every panel of the weight against every token: y [M, N] (row stride ldy) */
+static int run_panels(const panel_source* src, const float* x, int64_t M, int64_t K, int64_t G,
+                      float* y, int64_t N, int64_t ldy) {
     const int64_t ng = K / G, panels = (N + PANEL - 1) / PANEL;
     p16acts a;
-    if (!quantize_p16(x, M, K, G, 0, &a)) return 0;
+    if (!quantize_p16(x, M, K, G, src->packed, &a)) return 0;
     int ok = 1;
     #pragma omp parallel
     {
@@ -214,15 +226,21 @@ static int panel_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G
             const int rows = N - n0 < PANEL ? (int)(N - n0) : PANEL;
             const __mmask16 mask = (__mmask16)((1u << rows) - 1u);
             int has_off = 0;
-            unpack_panel(is_q4, (const uint8_t*)codes, K, G, s, c, half, n0, rows, W, S, C, &has_off, tmp);
+            if (src->packed) {
+                unpack_packed((const uint8_t*)src->codes, src->s, src->c, p, K, src->flags, W, S, C);
+                has_off = (src->flags & MW_PK_OFFSETS) != 0;
+            } else {
+                unpack_panel(src->is_q4, (const uint8_t*)src->codes, K, G, src->s, src->c,
+                             src->half, n0, rows, W, S, C, &has_off, tmp);
+            }
             const float* co = has_off ? C : NULL;
             for (int64_t m0 = 0; m0 < M; m0 += PT) {
                 const int64_t tm = M - m0 < PT ? M - m0 : PT;
                 const int32_t* at = a.acts + m0 * (K / 2);
                 const float* ut = a.u + m0 * (K / ABLOCK);
                 const float* xt = a.xsum + m0 * ng;
-                float* yt = y + m0 * N + n0;
-#define MW_PANEL_TILE(tm, d) panel_tile(tm, d, W, S, co, K, G, at, ut, xt, yt, N, mask)
+                float* yt = y + m0 * ldy + n0;
+#define MW_PANEL_TILE(tm, d) panel_tile(tm, d, W, S, co, K, G, at, ut, xt, yt, ldy, mask)
 #define MW_PANEL_D(tm, unused) if (G == 16) MW_PANEL_TILE(tm, 8); else MW_PANEL_TILE(tm, 16);
                 switch (tm) { MW_TM_CASES(MW_PANEL_D, 0) }
 #undef MW_PANEL_D
@@ -233,6 +251,14 @@ static int panel_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G
     }
     free_p16acts(&a);
     return ok;
+}
+
+static int panel_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G, const void* codes,
+                      const void* s, const void* c, float* y, int64_t N, int half) {
+    if (!mw_int_acts || M <= 0 || N <= 0 || K <= 0 || K % ABLOCK) return 0;
+    if (G != 16 && G % ABLOCK) return 0;
+    const panel_source src = {0, is_q4, half, 0, codes, s, c};
+    return run_panels(&src, x, M, K, G, y, N, N);
 }
 
 /* One packed panel (packed_gemm.c's layout) as unpack_panel leaves a row-layout one: W[k / 2]
@@ -273,42 +299,8 @@ int mw_packed_gemm_p16(const float* x, int64_t M, int64_t K, const uint8_t* code
                        const void* c, int flags, float* y, int64_t N, int64_t ldy) {
     if (!mw_int_acts || M <= 0 || N <= 0 || K <= 0 || K % ABLOCK || N % PANEL) return 0;
     if (flags & MW_PK_TWO_LEVEL && K % 256) return 0;
-    const int64_t nb = K / ABLOCK, panels = N / PANEL;
-    p16acts a;
-    if (!quantize_p16(x, M, K, ABLOCK, 1, &a)) return 0;
-    int ok = 1;
-    #pragma omp parallel
-    {
-        __m512i* W = (__m512i*)aligned_alloc(64, (size_t)(K / 2) * 64);
-        float* S = (float*)aligned_alloc(64, sizeof(float) * (size_t)(nb * PANEL));
-        float* C = (float*)aligned_alloc(64, sizeof(float) * (size_t)(nb * PANEL));
-        const int fine = W && S && C;
-        if (!fine) {
-            #pragma omp atomic write
-            ok = 0;
-        }
-        #pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p++) {
-            if (!fine) continue;
-            const int64_t n0 = p * PANEL;
-            const __mmask16 mask = (__mmask16)0xFFFF;
-            unpack_packed(codes, s, c, p, K, flags, W, S, C);
-            const float* co = flags & MW_PK_OFFSETS ? C : NULL;
-            for (int64_t m0 = 0; m0 < M; m0 += PT) {
-                const int64_t tm = M - m0 < PT ? M - m0 : PT;
-                const int32_t* at = a.acts + m0 * (K / 2);
-                const float* ut = a.u + m0 * nb;
-                const float* xt = a.xsum + m0 * nb;
-                float* yt = y + m0 * ldy + n0;
-#define MW_PACKED_TILE(tm, unused) panel_tile(tm, 16, W, S, co, K, ABLOCK, at, ut, xt, yt, ldy, mask)
-                switch (tm) { MW_TM_CASES(MW_PACKED_TILE, 0) }
-#undef MW_PACKED_TILE
-            }
-        }
-        free(W); free(S); free(C);
-    }
-    free_p16acts(&a);
-    return ok;
+    const panel_source src = {1, 0, 0, flags, codes, s, c};
+    return run_panels(&src, x, M, K, ABLOCK, y, N, ldy);
 }
 
 #else
