@@ -3,7 +3,7 @@ place, once the model has its final shape.
 
 ``pack_model(model)`` runs after loading, fusing and tensor-parallel sharding (the worker calls
 it): every ``QuantLinear`` of ``NativeQ4`` / ``NativeQ8`` whose layout fits (a 32-value group,
-rows a multiple of 16: GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and our int4) gets its tensors
+rows a multiple of 16: GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K and our int4) gets its tensors
 permuted in place and ``PanelMethod`` as its method; a ``QuantEmbedding`` sharing a packed
 head's tensors (a tied embedding) reads its rows from the panels. Nothing is copied, so memory
 stays as it was. Where the kernels have no AVX-512 VNNI (or MEMWALL_PANELS=0) nothing changes.
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from memwall.kernels.cpu import panels
-from memwall.kernels.cpu.layout import PANEL_OFFSETS, PackedWeight
+from memwall.kernels.cpu.layout import PANEL_G16, PANEL_OFFSETS, PackedWeight
 from memwall.quant.base import QuantLinear, QuantMethod, QuantWeights
 from memwall.quant.embedding import QuantEmbedding
 from memwall.quant.int4_cpu import NativeQ4
@@ -46,7 +46,8 @@ class PanelMethod(QuantMethod):
         w = self._weight
         if w is None or w.codes is not layer.codes or w.scales is not layer.s:
             offsets = layer.c if self.flags & PANEL_OFFSETS else None
-            w = PackedWeight("panels", panels.BLOCK, layer.out_features, layer.in_features,
+            group = 16 if self.flags & PANEL_G16 else panels.BLOCK
+            w = PackedWeight("panels", group, layer.out_features, layer.in_features,
                              layer.codes, layer.s, offsets, flags=self.flags)
             self._weight = w
         return w

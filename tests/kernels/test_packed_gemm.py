@@ -20,23 +20,26 @@ from memwall.kernels.cpu.layout import LayoutError, PackedWeight, two_level_tabl
 pytestmark = pytest.mark.skipif(not panels.available(),
                                 reason="needs the AVX-512 VNNI kernels (this CPU or build lacks them)")
 
-# half: float16 tables (True), float32 (False) or two-level, 8 sub-values a superblock ("K")
+# half: float16 tables (True), float32 (False), two-level with 8 sub-values a superblock ("K":
+# Q4_K, Q5_K) or q8 in 16-value groups with 16 ("K16": Q6_K, no offsets)
 FORMATS = [(kind, half, off) for kind in ("q4", "q8") for half in (False, True, "K")
-           for off in (False, True)]
+           for off in (False, True)] + [("q8", "K16", False)]
 SHAPES = [(16, 32), (48, 96), (192, 576), (64, 1536)]
 
 
 def _weight(kind: str, n: int, k: int, half, off: bool, seed: int = 0) -> PackedWeight:
     g = torch.Generator().manual_seed(seed)
-    if half == "K":  # K-quants' tables: a float32 d a superblock of 8 blocks, int8 sub-values
+    group = 32
+    if half in ("K", "K16"):  # K-quants' tables: a float32 d a superblock, int8 sub-values
         k = max(256, k // 256 * 256)
-        supers = k // 256
+        supers, subs = k // 256, 8 if half == "K" else 16
+        group = 256 // subs
 
         def table(lo: int) -> torch.Tensor:
             d = torch.rand(n, supers, generator=g) * 0.002 + 1e-4
-            return two_level_table(d, torch.randint(lo, 64, (n, 8 * supers), generator=g))
+            return two_level_table(d, torch.randint(lo, 64, (n, subs * supers), generator=g))
 
-        s, c = table(1), table(-63) if off else None
+        s, c = table(-63 if half == "K16" else 1), table(-63) if off else None
     else:
         dtype = torch.float16 if half else torch.float32
         s = (torch.rand(n, k // 32, generator=g) * 0.02 + 0.001).to(dtype)
@@ -45,7 +48,7 @@ def _weight(kind: str, n: int, k: int, half, off: bool, seed: int = 0) -> Packed
         codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
     else:
         codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
-    return PackedWeight(kind, 32, n, k, codes, s, c)
+    return PackedWeight(kind, group, n, k, codes, s, c)
 
 
 def _dense(w: PackedWeight) -> torch.Tensor:

@@ -134,6 +134,8 @@ int mw_q8_gemm_p16(const float* x, int64_t M, int64_t K, int64_t G, const int8_t
 #define MW_PK_HALF 2     /* float16 scale and offset tables; else float32 */
 #define MW_PK_OFFSETS 4  /* an offset table c; else all offsets are zero (c not read) */
 #define MW_PK_TWO_LEVEL 8  /* two-level tables, 8 sub-values a superblock (Q4_K, Q5_K) */
+#define MW_PK_G16 16       /* q8 in 16-value groups, two-level tables with 16 sub-values a
+                              superblock and no offsets (Q6_K) */
 int mw_packed_available(void);
 int mw_packed_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s,
                    const void* c, int flags, float* y, int64_t N, int64_t ldy);
@@ -145,21 +147,25 @@ void mw_packed_rows(const uint8_t* codes, const void* s, const void* c, int64_t 
                     const int64_t* ids, int64_t T, float* out);
 
 #if defined(__AVX512F__)
-/* A packed weight's 16 scales (or offsets) of panel p, block b (nb blocks a row) as float:
- * FMT 0 float32, 1 float16 (16 entries a block), 2 two-level: per panel and superblock of 8
- * blocks, 16 float32 d then 8 x 16 int8 sub-values, entry = d * sub (layout.py's rounding) */
-static inline __m512 mw_packed_table(const void* t, int64_t p, int64_t b, int64_t nb, int FMT) {
-    if (FMT == 2) {
-        const uint8_t* g = (const uint8_t*)t + (p * (nb / 8) + b / 8) * 192;
-        const __m128i sub = _mm_loadu_si128((const __m128i*)(g + 64 + 16 * (b % 8)));
-        return _mm512_mul_ps(_mm512_loadu_ps((const float*)g), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sub)));
+/* A packed weight's 16 scales (or offsets) of panel p, group g (ng groups a row: the 32-value
+ * blocks, or 16-value groups with MW_PK_G16) as float: FMT 0 float32, 1 float16 (16 entries a
+ * group), 2 and 3 two-level: per panel and superblock of E groups (E 8, or 16 for FMT 3), 16
+ * float32 d then E x 16 int8 sub-values, entry = d * sub (layout.py's rounding) */
+static inline __m512 mw_packed_table(const void* t, int64_t p, int64_t g, int64_t ng, int FMT) {
+    if (FMT >= 2) {
+        const int64_t E = FMT == 3 ? 16 : 8;
+        const uint8_t* sb = (const uint8_t*)t + (p * (ng / E) + g / E) * 16 * (4 + E);
+        const __m128i sub = _mm_loadu_si128((const __m128i*)(sb + 64 + 16 * (g % E)));
+        return _mm512_mul_ps(_mm512_loadu_ps((const float*)sb), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sub)));
     }
-    const int64_t e = (p * nb + b) * 16;
+    const int64_t e = (p * ng + g) * 16;
     return FMT ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)t + e)))
                : _mm512_loadu_ps((const float*)t + e);
 }
 /* its format number from the flags */
-static inline int mw_packed_fmt(int flags) { return flags & MW_PK_TWO_LEVEL ? 2 : (flags & MW_PK_HALF ? 1 : 0); }
+static inline int mw_packed_fmt(int flags) {
+    return flags & MW_PK_G16 ? 3 : flags & MW_PK_TWO_LEVEL ? 2 : (flags & MW_PK_HALF ? 1 : 0);
+}
 #endif
 
 /* elementwise.c: rows of float32, each computed alone (see the file) */

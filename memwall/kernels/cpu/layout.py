@@ -46,6 +46,7 @@ PANEL_Q8 = 1  # int8 codes; else q4
 PANEL_HALF = 2  # float16 scale and offset tables; else float32
 PANEL_OFFSETS = 4  # an offset table; else all offsets are zero
 PANEL_TWO_LEVEL = 8  # two-level tables with 8 sub-values a superblock (Q4_K, Q5_K)
+PANEL_G16 = 16  # q8 in 16-value groups, two-level tables of 16 sub-values, no offsets (Q6_K)
 SCALE_DTYPES = (torch.float32, torch.float16)  # the one-entry-each formats
 _D_BYTES = 4  # a two-level superblock's float32 d
 
@@ -79,18 +80,23 @@ class PackedWeight:
         if self.kind == "f32":
             _check_tensor("f32 weight", self.codes, torch.float32, (self.n, self.k))
         elif self.kind == "panels":
-            if self.n % 16 or self.group != Q4_BLOCK or not 0 <= self.flags < 16:
+            g16 = bool(self.flags & PANEL_G16)
+            group = 16 if g16 else Q4_BLOCK
+            if self.n % 16 or self.group != group or not 0 <= self.flags < 32:
                 raise LayoutError(f"panels: {self.n} rows must be a multiple of 16, the group "
-                                  f"{Q4_BLOCK}, flags 0..15 (got group {self.group}, flags {self.flags})")
+                                  f"{group}, flags 0..31 (got group {self.group}, flags {self.flags})")
             kind = "q8" if self.flags & PANEL_Q8 else "q4"
-            n, group = check_packed(kind, self.k, self.codes, self.scales, self.offsets)
+            n, got = check_packed(kind, self.k, self.codes, self.scales, self.offsets)
             two_level = self.scales.dim() == 3
-            if (n, group) != (self.n, Q4_BLOCK) or (two_level and scale_format(self.scales) != 8):
-                raise LayoutError(f"panels: a {kind} weight of {n} rows in groups of {group} "
+            sub_values = 16 if g16 else 8
+            if (n, got) != (self.n, group) or (two_level and scale_format(self.scales) != sub_values):
+                raise LayoutError(f"panels: a {kind} weight of {n} rows in groups of {got} "
                                   f"(tables {list(self.scales.shape)}), not {self.n} rows in "
-                                  f"groups of {Q4_BLOCK} (two-level: 8 sub-values a superblock)")
+                                  f"groups of {group} (two-level: {sub_values} sub-values a superblock)")
             half = self.scales.dtype == torch.float16
-            if (bool(self.flags & PANEL_HALF) != half or bool(self.flags & PANEL_TWO_LEVEL) != two_level
+            if (bool(self.flags & PANEL_HALF) != half
+                    or bool(self.flags & (PANEL_TWO_LEVEL | PANEL_G16)) != two_level
+                    or (g16 and (kind != "q8" or self.offsets is not None))
                     or bool(self.flags & PANEL_OFFSETS) != (self.offsets is not None)):
                 raise LayoutError(f"panels: flags {self.flags} do not match the tables "
                                   f"({self.scales.dtype}, offsets {self.offsets is not None})")

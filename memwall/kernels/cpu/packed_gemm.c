@@ -63,16 +63,18 @@ int mw_packed_available(void) {
 /* bytes of one block of a panel's codes, and of its 16 scale (or offset) entries */
 static inline int64_t pk_code_bytes(int flags) { return flags & MW_PK_Q8 ? 512 : 256; }
 
-/* entry r of panel p, block b of a scale or offset table (mw_packed_table's formats), plain C */
-static inline float pk_entry(const void* t, int64_t p, int64_t b, int64_t nb, int r, int flags) {
+/* entry r of panel p, group g (ng a row) of a scale or offset table (mw_packed_table's
+ * formats), plain C */
+static inline float pk_entry(const void* t, int64_t p, int64_t g, int64_t ng, int r, int flags) {
     const uint8_t* u = (const uint8_t*)t;
-    if (flags & MW_PK_TWO_LEVEL) {
-        const uint8_t* g = u + (p * (nb / 8) + b / 8) * 192;
+    if (flags & (MW_PK_TWO_LEVEL | MW_PK_G16)) {
+        const int64_t E = flags & MW_PK_G16 ? 16 : 8;
+        const uint8_t* sb = u + (p * (ng / E) + g / E) * 16 * (4 + E);
         float d;
-        memcpy(&d, g + 4 * r, 4);
-        return d * (float)(int8_t)g[64 + 16 * (b % 8) + r];
+        memcpy(&d, sb + 4 * r, 4);
+        return d * (float)(int8_t)sb[64 + 16 * (g % E) + r];
     }
-    const int64_t e = (p * nb + b) * 16 + r;
+    const int64_t e = (p * ng + g) * 16 + r;
     if (flags & MW_PK_HALF) {
         uint16_t h;
         memcpy(&h, u + e * 2, 2);
@@ -96,7 +98,8 @@ void mw_packed_rows(const uint8_t* codes, const void* s, const void* c, int64_t 
         float* row = out + t * K;
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t* blk = codes + (p * nb + b) * cb;
-            const float sv = pk_entry(s, p, b, nb, r, flags);
+            const int g16 = (flags & MW_PK_G16) != 0;
+            const float sv = g16 ? 0.f : pk_entry(s, p, b, nb, r, flags);
             const float cv = flags & MW_PK_OFFSETS ? pk_entry(c, p, b, nb, r, flags) : 0.f;
             for (int j = 0; j < 32; j++) {
                 int q;
@@ -106,6 +109,10 @@ void mw_packed_rows(const uint8_t* codes, const void* s, const void* c, int64_t 
                     const int jj = j % 16;
                     const uint8_t byte = blk[(jj / 4) * 64 + 4 * r + jj % 4];
                     q = j < 16 ? byte & 15 : byte >> 4;
+                }
+                if (g16) {  /* a scale each 16 values */
+                    row[b * 32 + j] = pk_entry(s, p, 2 * b + j / 16, 2 * nb, r, flags) * (float)q + cv;
+                    continue;
                 }
                 row[b * 32 + j] = sv * (float)q + cv;
             }
@@ -130,10 +137,11 @@ typedef struct {
     int8_t* lo;     /* [M][K] low digits */
     float* dq;      /* [M][nb] d / 256 */
     int32_t* asum;  /* [M][nb] sum(256 hi + lo) of each block */
+    int32_t* asum16;  /* [M][2 nb] the same for each 16 values (MW_PK_G16's groups) */
     float* xs;      /* [M][nb] dq * asum: the block's quantized sum of x, for the offsets */
 } pk_acts;
 
-static void free_pk_acts(pk_acts* a) { free(a->hi); free(a->dq); free(a->asum); }
+static void free_pk_acts(pk_acts* a) { free(a->hi); free(a->dq); free(a->asum); free(a->asum16); }
 
 /* x [M, K] -> pk_acts; 0 when out of memory. Vector form of int8_dot.c's quantize_x (the
  * same rounding: cvtps rounds to nearest even as nearbyintf does). */
@@ -142,7 +150,8 @@ static int quantize_pk(const float* x, int64_t M, int64_t K, pk_acts* a) {
     a->hi = (int8_t*)malloc((size_t)(2 * M * K) + 64);
     a->dq = (float*)malloc(sizeof(float) * (size_t)(2 * M * nb));
     a->asum = (int32_t*)malloc(sizeof(int32_t) * (size_t)(M * nb));
-    if (!a->hi || !a->dq || !a->asum) { free_pk_acts(a); return 0; }
+    a->asum16 = (int32_t*)malloc(sizeof(int32_t) * (size_t)(2 * M * nb));
+    if (!a->hi || !a->dq || !a->asum || !a->asum16) { free_pk_acts(a); return 0; }
     a->lo = a->hi + M * K;
     a->xs = a->dq + M * nb;
     const __m512 sign = _mm512_set1_ps(-0.f), k256 = _mm512_set1_ps(256.f);
@@ -168,9 +177,11 @@ static int quantize_pk(const float* x, int64_t M, int64_t K, pk_acts* a) {
             _mm_storeu_si128((__m128i*)(hi + 16), _mm512_cvtepi32_epi8(h1));
             _mm_storeu_si128((__m128i*)lo, _mm512_cvtepi32_epi8(l0));
             _mm_storeu_si128((__m128i*)(lo + 16), _mm512_cvtepi32_epi8(l1));
-            const __m512i u = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(h0, 8), l0),
-                                               _mm512_add_epi32(_mm512_slli_epi32(h1, 8), l1));
-            const int32_t asum = _mm512_reduce_add_epi32(u);
+            const int32_t a0 = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(h0, 8), l0));
+            const int32_t a1 = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(h1, 8), l1));
+            const int32_t asum = a0 + a1;
+            a->asum16[(m * nb + b) * 2] = a0;
+            a->asum16[(m * nb + b) * 2 + 1] = a1;
             a->dq[m * nb + b] = d / 256.f;
             a->asum[m * nb + b] = asum;
             a->xs[m * nb + b] = d / 256.f * (float)asum;
@@ -186,9 +197,9 @@ static inline __attribute__((always_inline)) void pk_tile(
         const int NP, const int TM, const int Q8, const int FMT, const int OFF,
         const uint8_t* codes, const void* S, const void* C, int64_t p, int64_t K,
         const int8_t* hi, const int8_t* lo, const float* dq, const int32_t* asum,
-        const float* xs, float* y, int64_t ldy) {
+        const int32_t* asum16, const float* xs, float* y, int64_t ldy) {
     const int64_t nb = K / 32, cb = Q8 ? 512 : 256;
-    const int64_t tb = FMT == 2 ? 24 : (FMT ? 32 : 64);  /* table bytes a block */
+    const int64_t tb = FMT == 3 ? 40 : FMT == 2 ? 24 : (FMT ? 32 : 64);  /* table bytes a block */
     const __m512i low4 = _mm512_set1_epi8(15);
     __m512 f[PK_NP][PK_TM];
     for (int u = 0; u < NP; u++)
@@ -216,6 +227,33 @@ static inline __attribute__((always_inline)) void pk_tile(
                     w[2 * i] = _mm512_and_si512(raw, low4);
                     w[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
                 }
+            }
+            if (FMT == 3) {  /* Q6_K: a scale each 16 values (w[0..3], w[4..7]), no offsets */
+                const __m512 s0 = mw_packed_table(S, p + u, 2 * b, 2 * nb, 3);
+                const __m512 s1 = mw_packed_table(S, p + u, 2 * b + 1, 2 * nb, 3);
+                #pragma GCC unroll 8
+                for (int t = 0; t < TM; t++) {
+                    const int32_t* h = (const int32_t*)(hi + t * K + 32 * b);
+                    const int32_t* l = (const int32_t*)(lo + t * K + 32 * b);
+                    __m512i ah = _mm512_setzero_si512(), al = _mm512_setzero_si512();
+                    __m512i ah2 = _mm512_setzero_si512(), al2 = _mm512_setzero_si512();
+                    #pragma GCC unroll 4
+                    for (int i = 0; i < 4; i++) {
+                        ah = _mm512_dpbusd_epi32(ah, w[i], _mm512_set1_epi32(h[i]));
+                        al = _mm512_dpbusd_epi32(al, w[i], _mm512_set1_epi32(l[i]));
+                        ah2 = _mm512_dpbusd_epi32(ah2, w[4 + i], _mm512_set1_epi32(h[4 + i]));
+                        al2 = _mm512_dpbusd_epi32(al2, w[4 + i], _mm512_set1_epi32(l[4 + i]));
+                    }
+                    const int32_t* a16 = asum16 + (t * nb + b) * 2;
+                    const __m512i d0 = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(ah, 8), al),
+                                                        _mm512_set1_epi32(a16[0] * 128));
+                    const __m512i d1 = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(ah2, 8), al2),
+                                                        _mm512_set1_epi32(a16[1] * 128));
+                    const __m512 dv = _mm512_set1_ps(dq[t * nb + b]);
+                    f[u][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(s0, dv), f[u][t]);
+                    f[u][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_mul_ps(s1, dv), f[u][t]);
+                }
+                continue;
             }
             const __m512 sv = mw_packed_table(S, p + u, b, nb, FMT);
             const __m512 cv = OFF ? mw_packed_table(C, p + u, b, nb, FMT) : _mm512_setzero_ps();
@@ -271,9 +309,11 @@ static inline __attribute__((always_inline)) void pk_tile_f32(
     for (int64_t b = 0; b < nb; b++) {
         const int64_t e = p * nb + b;
         const uint8_t* blk = codes + e * cb;
-        const __m512 sv = mw_packed_table(S, p, b, nb, FMT);
+        const __m512 s0 = FMT == 3 ? mw_packed_table(S, p, 2 * b, 2 * nb, 3) : mw_packed_table(S, p, b, nb, FMT);
+        const __m512 s1 = FMT == 3 ? mw_packed_table(S, p, 2 * b + 1, 2 * nb, 3) : s0;
         const __m512 cv = OFF ? mw_packed_table(C, p, b, nb, FMT) : _mm512_setzero_ps();
         for (int i = 0; i < (Q8 ? 8 : 4); i++) {
+            const __m512 sv = i < 4 ? s0 : s1;  /* Q6_K: vectors 4..7 are inputs 16..31 */
             __m512i raw = _mm512_loadu_si512(blk + 64 * i);
             if (Q8) raw = _mm512_xor_si512(raw, bias);  /* back to signed bytes */
             for (int half_ = 0; half_ < (Q8 ? 1 : 2); half_++)
@@ -315,11 +355,11 @@ static inline __attribute__((always_inline)) void pk_tile_f32(
             const int64_t p = q * PK_NP;                                                    \
             if (p + PK_NP <= panels)                                                        \
                 pk_tile(PK_NP, 1, Q8, FMT, OFF, codes, s, c, p, K, a.hi, a.lo, a.dq,       \
-                        a.asum, a.xs, y + p * 16, ldy);                                     \
+                        a.asum, a.asum16, a.xs, y + p * 16, ldy);                           \
             else                                                                            \
                 for (int64_t u = p; u < panels; u++)                                        \
                     pk_tile(1, 1, Q8, FMT, OFF, codes, s, c, u, K, a.hi, a.lo, a.dq,       \
-                            a.asum, a.xs, y + u * 16, ldy);                                 \
+                            a.asum, a.asum16, a.xs, y + u * 16, ldy);                       \
         }                                                                                   \
     } else {                                                                                \
         _Pragma("omp for schedule(static)")                                                 \
@@ -337,12 +377,14 @@ static inline __attribute__((always_inline)) void pk_tile_f32(
     }
 #define PK_F32(tm, Q8, FMT, OFF) pk_tile_f32(tm, Q8, FMT, OFF, codes, s, c, p, K, xt, yt, ldy)
 #define PK_I8(tm, Q8, FMT, OFF) pk_tile(1, tm, Q8, FMT, OFF, codes, s, c, p, K, a.hi + m0 * K, \
-                                         a.lo + m0 * K, a.dq + o, a.asum + o, a.xs + o, yt, ldy)
+                                         a.lo + m0 * K, a.dq + o, a.asum + o, a.asum16 + 2 * o, a.xs + o, \
+                                         yt, ldy)
 
 int mw_packed_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s,
                    const void* c, int flags, float* y, int64_t N, int64_t ldy) {
     if (M <= 0 || N <= 0) return 1;
-    if (K <= 0 || K % 32 || N % 16 || (flags & MW_PK_TWO_LEVEL && K % 256)) return 0;
+    if (K <= 0 || K % 32 || N % 16 || (flags & (MW_PK_TWO_LEVEL | MW_PK_G16) && K % 256)) return 0;
+    if (flags & MW_PK_G16 && (!(flags & MW_PK_Q8) || flags & MW_PK_OFFSETS)) return 0;
     if (M > MW_MAX_ROWS && mw_packed_gemm_p16(x, M, K, codes, s, c, flags, y, N, ldy)) return 1;
     const int64_t nb = K / 32, panels = N / 16;
     pk_acts a = {0};
@@ -361,6 +403,7 @@ int mw_packed_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, c
         case 10: PK_FORMAT(1, 1, 0) break;
         case 11: PK_FORMAT(1, 1, 1) break;
         case 12: PK_FORMAT(1, 2, 0) break;
+        case 14: PK_FORMAT(1, 3, 0) break;
         default: PK_FORMAT(1, 2, 1) break;
     }
     if (!exact) free_pk_acts(&a);

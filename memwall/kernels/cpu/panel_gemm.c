@@ -289,18 +289,19 @@ static void unpack_packed(const uint8_t* codes, const void* s, const void* c, in
             }
         }
     }
+    const int64_t ng = flags & MW_PK_G16 ? 2 * nb : nb;  /* groups of 16 or 32 values */
     for (int which = 0; which < (flags & MW_PK_OFFSETS ? 2 : 1); which++)
-        for (int64_t b = 0; b < nb; b++)
-            _mm512_store_ps((which ? C : S) + b * PANEL,
-                            mw_packed_table(which ? c : s, p, b, nb, mw_packed_fmt(flags)));
+        for (int64_t g = 0; g < ng; g++)
+            _mm512_store_ps((which ? C : S) + g * PANEL,
+                            mw_packed_table(which ? c : s, p, g, ng, mw_packed_fmt(flags)));
 }
 
 int mw_packed_gemm_p16(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s,
                        const void* c, int flags, float* y, int64_t N, int64_t ldy) {
     if (!mw_int_acts || M <= 0 || N <= 0 || K <= 0 || K % ABLOCK || N % PANEL) return 0;
-    if (flags & MW_PK_TWO_LEVEL && K % 256) return 0;
+    if (flags & (MW_PK_TWO_LEVEL | MW_PK_G16) && K % 256) return 0;
     const panel_source src = {1, 0, 0, flags, codes, s, c};
-    return run_panels(&src, x, M, K, ABLOCK, y, N, ldy);
+    return run_panels(&src, x, M, K, flags & MW_PK_G16 ? 16 : ABLOCK, y, N, ldy);
 }
 
 #else

@@ -12,7 +12,8 @@ rows are bit-identical to one-token calls.
     unpack_(weight)     the inverse, in place, bit for bit
     fits(weight)        whether pack_ takes it: q4, or q8 with a 32-value group; float32 or
                         float16 tables, or two-level ones with 8 sub-values a superblock
-                        (GGUF's Q4_K, Q5_K); N a multiple of 16
+                        (GGUF's Q4_K, Q5_K); q8 in 16-value groups with two-level tables of 16
+                        sub-values and no offsets (Q6_K); N a multiple of 16
     matmul(x, weight)   x float32 [M, K] -> [M, N]
     rows(weight, ids)   rows of the weight as float32 (an embedding tied to a packed LM head)
 
@@ -28,7 +29,7 @@ import os
 import torch
 
 from memwall.kernels.cpu import amx, build
-from memwall.kernels.cpu.layout import (PANEL_HALF, PANEL_OFFSETS, PANEL_Q8, PANEL_TWO_LEVEL,
+from memwall.kernels.cpu.layout import (PANEL_G16, PANEL_HALF, PANEL_OFFSETS, PANEL_Q8, PANEL_TWO_LEVEL,
                                         LayoutError, PackedWeight, check_input, scale_format,
                                         table_ptr)
 
@@ -51,7 +52,12 @@ def available() -> bool:
 
 def fits(weight: PackedWeight) -> bool:
     """Whether ``pack_`` takes this weight (the module docstring)."""
-    if weight.kind not in ("q4", "q8") or weight.group != BLOCK or weight.n % ROWS:
+    if weight.kind not in ("q4", "q8") or weight.n % ROWS:
+        return False
+    if weight.group == 16:  # Q6_K only
+        return (weight.kind == "q8" and weight.scales.dim() == 3 and weight.offsets is None
+                and scale_format(weight.scales) == 16 and weight.k % 256 == 0)
+    if weight.group != BLOCK:
         return False
     if weight.scales.dim() == 3 and (scale_format(weight.scales) != SUPER or weight.k % (SUPER * BLOCK)):
         return False
@@ -82,7 +88,8 @@ def pack_(weight: PackedWeight) -> PackedWeight:
             _permute_table(table[r0:r0 + _CHUNK_ROWS], pack=True)
     two_level = weight.scales.dim() == 3
     flags = ((PANEL_Q8 if q8 else 0) | (PANEL_HALF if weight.scales.dtype == torch.float16 else 0)
-             | (PANEL_TWO_LEVEL if two_level else 0)
+             | (PANEL_TWO_LEVEL if two_level and weight.group == BLOCK else 0)
+             | (PANEL_G16 if weight.group == 16 else 0)
              | (PANEL_OFFSETS if weight.offsets is not None else 0))
     return dataclasses.replace(weight, kind="panels", flags=flags)
 
