@@ -189,6 +189,26 @@ static int quantize_pk(const float* x, int64_t M, int64_t K, pk_acts* a) {
     return 1;
 }
 
+/* A token's two digits (h, l: the block's 8 words of each) against a block's 8 weight
+ * vectors: the exact integer sums 256 q.hi + q.lo of inputs 0..15 (*first) and 16..31
+ * (*second). Two chains a digit also hide vpdpbusd's latency when one token is alone. q8: w[i]
+ * holds inputs 4i..4i+3; q4: w[2i] inputs 4i.., w[2i + 1] inputs 16 + 4i.. */
+static inline __attribute__((always_inline)) void pk_dot(const int Q8, const __m512i* w,
+        const int32_t* h, const int32_t* l, __m512i* first, __m512i* second) {
+    __m512i ah = _mm512_setzero_si512(), al = _mm512_setzero_si512();
+    __m512i ah2 = _mm512_setzero_si512(), al2 = _mm512_setzero_si512();
+    #pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        const __m512i w1 = Q8 ? w[i] : w[2 * i], w2 = Q8 ? w[4 + i] : w[2 * i + 1];
+        ah = _mm512_dpbusd_epi32(ah, w1, _mm512_set1_epi32(h[i]));
+        al = _mm512_dpbusd_epi32(al, w1, _mm512_set1_epi32(l[i]));
+        ah2 = _mm512_dpbusd_epi32(ah2, w2, _mm512_set1_epi32(h[4 + i]));
+        al2 = _mm512_dpbusd_epi32(al2, w2, _mm512_set1_epi32(l[4 + i]));
+    }
+    *first = _mm512_add_epi32(_mm512_slli_epi32(ah, 8), al);
+    *second = _mm512_add_epi32(_mm512_slli_epi32(ah2, 8), al2);
+}
+
 /* TM tokens (digits at hi/lo + t * K) against NP consecutive panels from panel p (one token
  * alone takes PK_NP panels a pass: more independent work hides vpdpbusd's latency and keeps
  * more of the weight stream in flight); the 16 outputs of token t and panel p + u go to
@@ -228,65 +248,27 @@ static inline __attribute__((always_inline)) void pk_tile(
                     w[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
                 }
             }
-            if (FMT == 3) {  /* Q6_K: a scale each 16 values (w[0..3], w[4..7]), no offsets */
-                const __m512 s0 = mw_packed_table(S, p + u, 2 * b, 2 * nb, 3);
-                const __m512 s1 = mw_packed_table(S, p + u, 2 * b + 1, 2 * nb, 3);
-                #pragma GCC unroll 8
-                for (int t = 0; t < TM; t++) {
-                    const int32_t* h = (const int32_t*)(hi + t * K + 32 * b);
-                    const int32_t* l = (const int32_t*)(lo + t * K + 32 * b);
-                    __m512i ah = _mm512_setzero_si512(), al = _mm512_setzero_si512();
-                    __m512i ah2 = _mm512_setzero_si512(), al2 = _mm512_setzero_si512();
-                    #pragma GCC unroll 4
-                    for (int i = 0; i < 4; i++) {
-                        ah = _mm512_dpbusd_epi32(ah, w[i], _mm512_set1_epi32(h[i]));
-                        al = _mm512_dpbusd_epi32(al, w[i], _mm512_set1_epi32(l[i]));
-                        ah2 = _mm512_dpbusd_epi32(ah2, w[4 + i], _mm512_set1_epi32(h[4 + i]));
-                        al2 = _mm512_dpbusd_epi32(al2, w[4 + i], _mm512_set1_epi32(l[4 + i]));
-                    }
-                    const int32_t* a16 = asum16 + (t * nb + b) * 2;
-                    const __m512i d0 = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(ah, 8), al),
-                                                        _mm512_set1_epi32(a16[0] * 128));
-                    const __m512i d1 = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(ah2, 8), al2),
-                                                        _mm512_set1_epi32(a16[1] * 128));
-                    const __m512 dv = _mm512_set1_ps(dq[t * nb + b]);
-                    f[u][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(s0, dv), f[u][t]);
-                    f[u][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_mul_ps(s1, dv), f[u][t]);
-                }
-                continue;
-            }
-            const __m512 sv = mw_packed_table(S, p + u, b, nb, FMT);
+            /* Q6_K (FMT 3): a scale each 16 values, no offsets; else one a block */
+            const __m512 s0 = mw_packed_table(S, p + u, FMT == 3 ? 2 * b : b, FMT == 3 ? 2 * nb : nb, FMT);
+            const __m512 s1 = FMT == 3 ? mw_packed_table(S, p + u, 2 * b + 1, 2 * nb, 3) : s0;
             const __m512 cv = OFF ? mw_packed_table(C, p + u, b, nb, FMT) : _mm512_setzero_ps();
             #pragma GCC unroll 8
             for (int t = 0; t < TM; t++) {
-                const int32_t* h = (const int32_t*)(hi + t * K + 32 * b);
-                const int32_t* l = (const int32_t*)(lo + t * K + 32 * b);
-                /* two chains a digit: one token alone would wait on vpdpbusd's latency */
-                __m512i ah = _mm512_setzero_si512(), al = _mm512_setzero_si512();
-                __m512i ah2 = _mm512_setzero_si512(), al2 = _mm512_setzero_si512();
-                if (Q8) {
-                    #pragma GCC unroll 4
-                    for (int i = 0; i < 8; i += 2) {
-                        ah = _mm512_dpbusd_epi32(ah, w[i], _mm512_set1_epi32(h[i]));
-                        al = _mm512_dpbusd_epi32(al, w[i], _mm512_set1_epi32(l[i]));
-                        ah2 = _mm512_dpbusd_epi32(ah2, w[i + 1], _mm512_set1_epi32(h[i + 1]));
-                        al2 = _mm512_dpbusd_epi32(al2, w[i + 1], _mm512_set1_epi32(l[i + 1]));
-                    }
-                } else {
-                    #pragma GCC unroll 4
-                    for (int i = 0; i < 4; i++) {
-                        ah = _mm512_dpbusd_epi32(ah, w[2 * i], _mm512_set1_epi32(h[i]));
-                        ah2 = _mm512_dpbusd_epi32(ah2, w[2 * i + 1], _mm512_set1_epi32(h[4 + i]));
-                        al = _mm512_dpbusd_epi32(al, w[2 * i], _mm512_set1_epi32(l[i]));
-                        al2 = _mm512_dpbusd_epi32(al2, w[2 * i + 1], _mm512_set1_epi32(l[4 + i]));
-                    }
+                __m512i d0, d1;
+                pk_dot(Q8, w, (const int32_t*)(hi + t * K + 32 * b), (const int32_t*)(lo + t * K + 32 * b), &d0, &d1);
+                const __m512 dv = _mm512_set1_ps(dq[t * nb + b]);
+                if (FMT == 3) {  /* the codes were read + 128: each half's own correction */
+                    const int32_t* a16 = asum16 + (t * nb + b) * 2;
+                    d0 = _mm512_sub_epi32(d0, _mm512_set1_epi32(a16[0] * 128));
+                    d1 = _mm512_sub_epi32(d1, _mm512_set1_epi32(a16[1] * 128));
+                    f[u][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(s0, dv), f[u][t]);
+                    f[u][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_mul_ps(s1, dv), f[u][t]);
+                    continue;
                 }
-                ah = _mm512_add_epi32(ah, ah2);
-                al = _mm512_add_epi32(al, al2);
-                __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(ah, 8), al);
+                __m512i dot = _mm512_add_epi32(d0, d1);
                 if (Q8)  /* the codes were read + 128 */
                     dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(asum[t * nb + b] * 128));
-                f[u][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv, _mm512_set1_ps(dq[t * nb + b])), f[u][t]);
+                f[u][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s0, dv), f[u][t]);
                 if (OFF) f[u][t] = _mm512_fmadd_ps(cv, _mm512_set1_ps(xs[t * nb + b]), f[u][t]);
             }
         }
