@@ -1,6 +1,7 @@
 """The quantized matmuls of quant_gemm.c, int_gemm.c, int8_dot.c and int8_tiles.c as torch
 functions, for weights in the q4/q8 layouts of layout.py: ``x`` float32 [M, K] (contiguous) ->
-``y`` float32 [M, N].
+``y`` float32 [M, N]. (On AVX-512 VNNI CPUs the loaded model's weights are packed into 16-row
+panels and multiplied by panels.py instead; these serve the row layout everywhere else.)
 
     M = 0            an empty [0, N], no C call (a prefill chunk that needs no logits)
     M = 1..8         on AVX512-VNNI: int8_dot.c's two int8 digits a value, each row as that
