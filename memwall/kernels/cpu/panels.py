@@ -81,7 +81,8 @@ def pack_(weight: PackedWeight) -> PackedWeight:
             chunk.bitwise_xor_(0x80)  # signed codes + 128: vpdpbusd's unsigned operand
         # word i of row r's block b -> lane r of vector i: [groups, 16, nb, w] -> [groups, nb, w, 16]
         w = chunk.view(torch.int32).reshape(-1, ROWS, weight.k // BLOCK, words)
-        chunk.copy_(w.permute(0, 2, 3, 1).clone(memory_format=torch.contiguous_format).view(torch.uint8).reshape(chunk.shape))
+        lanes = w.permute(0, 2, 3, 1).clone(memory_format=torch.contiguous_format)
+        chunk.copy_(lanes.view(torch.uint8).reshape(chunk.shape))
     tables = [weight.scales] + ([weight.offsets] if weight.offsets is not None else [])
     for table in tables:
         for r0 in range(0, weight.n, _CHUNK_ROWS):
@@ -103,7 +104,8 @@ def unpack_(weight: PackedWeight) -> PackedWeight:
     for r0 in range(0, weight.n, _CHUNK_ROWS):
         chunk = codes[r0:r0 + _CHUNK_ROWS]
         w = chunk.view(torch.int32).reshape(-1, weight.k // BLOCK, words, ROWS)
-        chunk.copy_(w.permute(0, 3, 1, 2).clone(memory_format=torch.contiguous_format).view(torch.uint8).reshape(chunk.shape))
+        rows_ = w.permute(0, 3, 1, 2).clone(memory_format=torch.contiguous_format)
+        chunk.copy_(rows_.view(torch.uint8).reshape(chunk.shape))
         if q8:
             chunk.bitwise_xor_(0x80)
     tables = [weight.scales] + ([weight.offsets] if weight.offsets is not None else [])
