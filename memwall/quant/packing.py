@@ -2,9 +2,9 @@
 place, once the model has its final shape.
 
 ``pack_model(model)`` runs after loading, fusing and tensor-parallel sharding (the worker calls
-it): every ``QuantLinear`` of ``NativeQ4`` / ``NativeQ8`` whose layout fits (a 32-value group,
-rows a multiple of 16: GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K and our int4) gets its tensors
-permuted in place and ``PanelMethod`` as its method; a ``QuantEmbedding`` sharing a packed
+it): every ``QuantLinear`` of ``NativeQ4`` / ``NativeQ8`` whose layout fits (``panels.fits``:
+GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K and our int4, rows a multiple of 16) gets
+its tensors permuted in place and ``PanelMethod`` as its method; a ``QuantEmbedding`` sharing a packed
 head's tensors (a tied embedding) reads its rows from the panels. Nothing is copied, so memory
 stays as it was. Where the kernels have no AVX-512 VNNI (or MEMWALL_PANELS=0) nothing changes.
 """
@@ -72,10 +72,7 @@ class PanelMethod(QuantMethod):
 
     def unpacked(self, layer: QuantLinear) -> QuantLinear:
         """A copy of the layer in the inner method's row layout."""
-        w = self.packed(layer)
-        plain = panels.unpack_(dataclasses.replace(
-            w, codes=w.codes.clone(), scales=w.scales.clone(),
-            offsets=None if w.offsets is None else w.offsets.clone()))
+        plain = panels.unpacked_copy(self.packed(layer))
         tensors = {"codes": plain.codes, "s": plain.scales,
                    "c": plain.offsets if plain.offsets is not None else layer.c}
         return QuantLinear(QuantWeights(self.inner, tensors, layer.out_features,

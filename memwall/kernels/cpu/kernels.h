@@ -126,10 +126,11 @@ int mw_q4_gemm_p16(const float* x, int64_t M, int64_t K, const uint8_t* codes, c
 int mw_q8_gemm_p16(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* codes,
                    const void* s, const void* c, float* y, int64_t N, int half);
 
-/* packed_gemm.c: q4/q8 weights (a 32-value group, N a multiple of 16) packed into 16-row
- * panels in place (memwall/kernels/cpu/panels.py packs them where mw_packed_available());
- * flags say the format. y [M, N] with row stride ldy; 0 when it cannot (no AVX-512 VNNI, K not
- * a multiple of 32, N not a multiple of 16) */
+/* packed_gemm.c: q4/q8 weights (32-value groups, or Q6_K's 16; N a multiple of 16) packed
+ * into 16-row panels in place (memwall/kernels/cpu/panels.py packs them where
+ * mw_packed_available()); flags say the format. y [M, N] with row stride ldy; 0 when it cannot
+ * (no AVX-512 VNNI, K not a multiple of 32 or, with two-level tables, of 256, N not a multiple
+ * of 16) */
 #define MW_PK_Q8 1       /* int8 codes (stored + 128); else q4 nibbles */
 #define MW_PK_HALF 2     /* float16 scale and offset tables; else float32 */
 #define MW_PK_OFFSETS 4  /* an offset table c; else all offsets are zero (c not read) */

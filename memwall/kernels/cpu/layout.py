@@ -10,9 +10,9 @@ read only these descriptions, so nothing in memwall/kernels imports memwall/quan
                                                                block = 16 bytes, byte j holds
                                                                q[j] | q[j + 16] << 4
     q8    int8    [N, K]               float [N, K/group]      s * q + c,  group % 16 == 0
-    panels as q4 or q8 (group 32, N a multiple of 16; two-level tables: 8 sub-values a
-          superblock), each 16-row group permuted in place into the panels packed_gemm.c
-          reads; flags say which format (panels.py)
+    panels as q4 or q8 (group 32, or Q6_K's 16; N a multiple of 16; two-level tables: 8
+          sub-values a superblock, Q6_K 16), each 16-row group permuted in place into the
+          panels packed_gemm.c reads; flags say which format (panels.py)
 
 Scales and offsets are tables [N, K/group] in one of three formats, both the same
 (``scale_format``, the kernels' ``half`` argument; kernels.h says how they are read):
@@ -60,14 +60,14 @@ class PackedWeight:
     """One weight matrix [n, k] as the kernels read it: y = x @ W^T (+ bias). Checked when made."""
 
     kind: str  # "f32", "q4", "q8" or "panels" (see the module docstring)
-    group: int  # inputs per (scale, offset) pair: 32 for q4 and panels, the group for q8, 0 for f32
+    group: int  # inputs per (scale, offset) pair: 32 for q4, the group for q8 and panels, 0 for f32
     n: int  # output features
     k: int  # input features
     codes: torch.Tensor
     scales: torch.Tensor | None = None
     offsets: torch.Tensor | None = None
     bias: torch.Tensor | None = None
-    flags: int = 0  # panels only: PANEL_Q8 | PANEL_HALF | PANEL_OFFSETS
+    flags: int = 0  # panels only: PANEL_* bits
 
     @property
     def scale_format(self) -> int:

@@ -26,8 +26,9 @@
  *           unsigned operand)
  *   s, c    16 entries (lane r = row 16p + r) at (p nb + b) 16: float32, or float16 with
  *           MW_PK_HALF; with MW_PK_TWO_LEVEL (Q4_K, Q5_K: 8 blocks a superblock) per panel and
- *           superblock 16 float32 d, then 8 x 16 int8 sub-values (entry = d * sub); c only
- *           with MW_PK_OFFSETS (all-zero offsets are left out, as layout.py allows)
+ *           superblock 16 float32 d, then 8 x 16 int8 sub-values (entry = d * sub); with
+ *           MW_PK_G16 (Q6_K) the same with a scale each 16 values, 16 sub-values a superblock;
+ *           c only with MW_PK_OFFSETS (all-zero offsets are left out, as layout.py allows)
  *
  * Activations: each 32-value block of a token as d * (256 hi + lo), two int8 digits
  * (int8_dot.c's encoding: hi = round(x / d), d = max|x| / 127, lo the rounded remainder in
@@ -43,8 +44,9 @@
  * dequantizer rounds it) times x, the quality reference.
  *
  * Returns 0 where the build has no AVX-512 VNNI (then there are no packed weights: panels.py
- * packs only where mw_packed_available() says so) or K is not a multiple of 32; out of
- * memory for the digits it computes in fp32, so decode.c need not handle a failure.
+ * packs only where mw_packed_available() says so) or the shape does not fit the flags (K a
+ * multiple of 32, of 256 with two-level tables; N of 16); out of memory for the digits it
+ * computes in fp32, so decode.c need not handle a failure.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -60,7 +62,7 @@ int mw_packed_available(void) {
 #endif
 }
 
-/* bytes of one block of a panel's codes, and of its 16 scale (or offset) entries */
+/* bytes of one block of a panel's codes */
 static inline int64_t pk_code_bytes(int flags) { return flags & MW_PK_Q8 ? 512 : 256; }
 
 /* entry r of panel p, group g (ng a row) of a scale or offset table (mw_packed_table's
@@ -91,15 +93,16 @@ static inline float pk_entry(const void* t, int64_t p, int64_t g, int64_t ng, in
 void mw_packed_rows(const uint8_t* codes, const void* s, const void* c, int64_t K, int flags,
                     const int64_t* ids, int64_t T, float* out) {
     const int64_t nb = K / 32, cb = pk_code_bytes(flags);
-    const int q8 = flags & MW_PK_Q8;
+    const int q8 = flags & MW_PK_Q8, g16 = (flags & MW_PK_G16) != 0;
     for (int64_t t = 0; t < T; t++) {
         const int64_t p = ids[t] / 16;
         const int r = (int)(ids[t] % 16);
         float* row = out + t * K;
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t* blk = codes + (p * nb + b) * cb;
-            const int g16 = (flags & MW_PK_G16) != 0;
-            const float sv = g16 ? 0.f : pk_entry(s, p, b, nb, r, flags);
+            /* Q6_K: a scale each 16 values; else one a block */
+            const float s0 = g16 ? pk_entry(s, p, 2 * b, 2 * nb, r, flags) : pk_entry(s, p, b, nb, r, flags);
+            const float s1 = g16 ? pk_entry(s, p, 2 * b + 1, 2 * nb, r, flags) : s0;
             const float cv = flags & MW_PK_OFFSETS ? pk_entry(c, p, b, nb, r, flags) : 0.f;
             for (int j = 0; j < 32; j++) {
                 int q;
@@ -110,11 +113,7 @@ void mw_packed_rows(const uint8_t* codes, const void* s, const void* c, int64_t 
                     const uint8_t byte = blk[(jj / 4) * 64 + 4 * r + jj % 4];
                     q = j < 16 ? byte & 15 : byte >> 4;
                 }
-                if (g16) {  /* a scale each 16 values */
-                    row[b * 32 + j] = pk_entry(s, p, 2 * b + j / 16, 2 * nb, r, flags) * (float)q + cv;
-                    continue;
-                }
-                row[b * 32 + j] = sv * (float)q + cv;
+                row[b * 32 + j] = (j < 16 ? s0 : s1) * (float)q + cv;
             }
         }
     }
@@ -122,7 +121,7 @@ void mw_packed_rows(const uint8_t* codes, const void* s, const void* c, int64_t 
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 
-#define PK_TM 8  /* tokens a tile holds accumulators for (8 x 16 rows in zmm registers) */
+#define PK_TM MW_TILE  /* tokens a tile holds accumulators for (8 x 16 rows in zmm registers) */
 #ifndef PK_NP
 #define PK_NP 4  /* panels one token takes a pass */
 #endif
@@ -136,12 +135,11 @@ typedef struct {
     int8_t* hi;     /* [M][K] high digits, natural order */
     int8_t* lo;     /* [M][K] low digits */
     float* dq;      /* [M][nb] d / 256 */
-    int32_t* asum;  /* [M][nb] sum(256 hi + lo) of each block */
-    int32_t* asum16;  /* [M][2 nb] the same for each 16 values (MW_PK_G16's groups) */
-    float* xs;      /* [M][nb] dq * asum: the block's quantized sum of x, for the offsets */
+    int32_t* asum;  /* [M][2 nb] sum(256 hi + lo) of each 16 values: a block's two halves */
+    float* xs;      /* [M][nb] dq * the block's sum: its quantized sum of x, for the offsets */
 } pk_acts;
 
-static void free_pk_acts(pk_acts* a) { free(a->hi); free(a->dq); free(a->asum); free(a->asum16); }
+static void free_pk_acts(pk_acts* a) { free(a->hi); free(a->dq); free(a->asum); }
 
 /* x [M, K] -> pk_acts; 0 when out of memory. Vector form of int8_dot.c's quantize_x (the
  * same rounding: cvtps rounds to nearest even as nearbyintf does). */
@@ -149,9 +147,8 @@ static int quantize_pk(const float* x, int64_t M, int64_t K, pk_acts* a) {
     const int64_t nb = K / 32;
     a->hi = (int8_t*)malloc((size_t)(2 * M * K) + 64);
     a->dq = (float*)malloc(sizeof(float) * (size_t)(2 * M * nb));
-    a->asum = (int32_t*)malloc(sizeof(int32_t) * (size_t)(M * nb));
-    a->asum16 = (int32_t*)malloc(sizeof(int32_t) * (size_t)(2 * M * nb));
-    if (!a->hi || !a->dq || !a->asum || !a->asum16) { free_pk_acts(a); return 0; }
+    a->asum = (int32_t*)malloc(sizeof(int32_t) * (size_t)(2 * M * nb));
+    if (!a->hi || !a->dq || !a->asum) { free_pk_acts(a); return 0; }
     a->lo = a->hi + M * K;
     a->xs = a->dq + M * nb;
     const __m512 sign = _mm512_set1_ps(-0.f), k256 = _mm512_set1_ps(256.f);
@@ -179,12 +176,10 @@ static int quantize_pk(const float* x, int64_t M, int64_t K, pk_acts* a) {
             _mm_storeu_si128((__m128i*)(lo + 16), _mm512_cvtepi32_epi8(l1));
             const int32_t a0 = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(h0, 8), l0));
             const int32_t a1 = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(h1, 8), l1));
-            const int32_t asum = a0 + a1;
-            a->asum16[(m * nb + b) * 2] = a0;
-            a->asum16[(m * nb + b) * 2 + 1] = a1;
+            a->asum[(m * nb + b) * 2] = a0;
+            a->asum[(m * nb + b) * 2 + 1] = a1;
             a->dq[m * nb + b] = d / 256.f;
-            a->asum[m * nb + b] = asum;
-            a->xs[m * nb + b] = d / 256.f * (float)asum;
+            a->xs[m * nb + b] = d / 256.f * (float)(a0 + a1);
         }
     return 1;
 }
@@ -217,7 +212,7 @@ static inline __attribute__((always_inline)) void pk_tile(
         const int NP, const int TM, const int Q8, const int FMT, const int OFF,
         const uint8_t* codes, const void* S, const void* C, int64_t p, int64_t K,
         const int8_t* hi, const int8_t* lo, const float* dq, const int32_t* asum,
-        const int32_t* asum16, const float* xs, float* y, int64_t ldy) {
+        const float* xs, float* y, int64_t ldy) {
     const int64_t nb = K / 32, cb = Q8 ? 512 : 256;
     const int64_t tb = FMT == 3 ? 40 : FMT == 2 ? 24 : (FMT ? 32 : 64);  /* table bytes a block */
     const __m512i low4 = _mm512_set1_epi8(15);
@@ -257,17 +252,17 @@ static inline __attribute__((always_inline)) void pk_tile(
                 __m512i d0, d1;
                 pk_dot(Q8, w, (const int32_t*)(hi + t * K + 32 * b), (const int32_t*)(lo + t * K + 32 * b), &d0, &d1);
                 const __m512 dv = _mm512_set1_ps(dq[t * nb + b]);
+                const int32_t* ab = asum + (t * nb + b) * 2;  /* the block's halves' sums */
                 if (FMT == 3) {  /* the codes were read + 128: each half's own correction */
-                    const int32_t* a16 = asum16 + (t * nb + b) * 2;
-                    d0 = _mm512_sub_epi32(d0, _mm512_set1_epi32(a16[0] * 128));
-                    d1 = _mm512_sub_epi32(d1, _mm512_set1_epi32(a16[1] * 128));
+                    d0 = _mm512_sub_epi32(d0, _mm512_set1_epi32(ab[0] * 128));
+                    d1 = _mm512_sub_epi32(d1, _mm512_set1_epi32(ab[1] * 128));
                     f[u][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(s0, dv), f[u][t]);
                     f[u][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_mul_ps(s1, dv), f[u][t]);
                     continue;
                 }
                 __m512i dot = _mm512_add_epi32(d0, d1);
                 if (Q8)  /* the codes were read + 128 */
-                    dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(asum[t * nb + b] * 128));
+                    dot = _mm512_sub_epi32(dot, _mm512_set1_epi32((ab[0] + ab[1]) * 128));
                 f[u][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s0, dv), f[u][t]);
                 if (OFF) f[u][t] = _mm512_fmadd_ps(cv, _mm512_set1_ps(xs[t * nb + b]), f[u][t]);
             }
@@ -321,13 +316,6 @@ static inline __attribute__((always_inline)) void pk_tile_f32(
     for (int t = 0; t < TM; t++) _mm512_storeu_ps(y + t * ldy, f[t]);
 }
 
-#define PK_CASES(fn, ...) \
-    case 1: fn(1, __VA_ARGS__); break; case 2: fn(2, __VA_ARGS__); break; \
-    case 3: fn(3, __VA_ARGS__); break; case 4: fn(4, __VA_ARGS__); break; \
-    case 5: fn(5, __VA_ARGS__); break; case 6: fn(6, __VA_ARGS__); break; \
-    case 7: fn(7, __VA_ARGS__); break; default: fn(8, __VA_ARGS__); break;
-
-/* one panel's tiles for every token, the format's flags as compile-time constants */
 /* one format's work for the panels of this thread, the format's flags compile-time: one token
  * takes PK_NP panels a pass; more tokens PK_TM at a time against each panel */
 #define PK_FORMAT(Q8, FMT, OFF)                                                            \
@@ -337,11 +325,11 @@ static inline __attribute__((always_inline)) void pk_tile_f32(
             const int64_t p = q * PK_NP;                                                    \
             if (p + PK_NP <= panels)                                                        \
                 pk_tile(PK_NP, 1, Q8, FMT, OFF, codes, s, c, p, K, a.hi, a.lo, a.dq,       \
-                        a.asum, a.asum16, a.xs, y + p * 16, ldy);                           \
+                        a.asum, a.xs, y + p * 16, ldy);                                     \
             else                                                                            \
                 for (int64_t u = p; u < panels; u++)                                        \
                     pk_tile(1, 1, Q8, FMT, OFF, codes, s, c, u, K, a.hi, a.lo, a.dq,       \
-                            a.asum, a.asum16, a.xs, y + u * 16, ldy);                       \
+                            a.asum, a.xs, y + u * 16, ldy);                                 \
         }                                                                                   \
     } else {                                                                                \
         _Pragma("omp for schedule(static)")                                                 \
@@ -351,16 +339,15 @@ static inline __attribute__((always_inline)) void pk_tile_f32(
                 float* yt = y + m0 * ldy + p * 16;                                          \
                 if (exact) {                                                                \
                     const float* xt = x + m0 * K;                                           \
-                    switch (tm) { PK_CASES(PK_F32, Q8, FMT, OFF) }                         \
+                    switch (tm) { MW_TM_CASES(PK_F32, Q8, FMT, OFF) }                      \
                 } else {                                                                    \
-                    switch (tm) { PK_CASES(PK_I8, Q8, FMT, OFF) }                          \
+                    switch (tm) { MW_TM_CASES(PK_I8, Q8, FMT, OFF) }                       \
                 }                                                                           \
             }                                                                               \
     }
 #define PK_F32(tm, Q8, FMT, OFF) pk_tile_f32(tm, Q8, FMT, OFF, codes, s, c, p, K, xt, yt, ldy)
 #define PK_I8(tm, Q8, FMT, OFF) pk_tile(1, tm, Q8, FMT, OFF, codes, s, c, p, K, a.hi + m0 * K, \
-                                         a.lo + m0 * K, a.dq + o, a.asum + o, a.asum16 + 2 * o, a.xs + o, \
-                                         yt, ldy)
+                                         a.lo + m0 * K, a.dq + o, a.asum + 2 * o, a.xs + o, yt, ldy)
 
 int mw_packed_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s,
                    const void* c, int flags, float* y, int64_t N, int64_t ldy) {

@@ -198,8 +198,40 @@ typedef struct {
     const void* c;
 } panel_source;
 
+/* One packed panel (packed_gemm.c's layout) as unpack_panel leaves a row-layout one: W[k / 2]
+ * lane r = an int16 pair of row r, S / C the rows' tables as float. The pairs come out as
+ * (4g, 4g + 2) and (4g + 1, 4g + 3) of each 4 inputs, which is why the activations go in
+ * quad order (quantize_p16). */
 static void unpack_packed(const uint8_t* codes, const void* s, const void* c, int64_t p,
-                          int64_t K, int flags, __m512i* W, float* S, float* C);
+                          int64_t K, int flags, __m512i* W, float* S, float* C) {
+    const int64_t nb = K / ABLOCK, cb = flags & MW_PK_Q8 ? 512 : 256;
+    const uint8_t* panel = codes + p * nb * cb;
+    const __m512i m4 = _mm512_set1_epi32(0x000F000F), bias = _mm512_set1_epi32((int)0x80808080u);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = panel + b * cb;
+        __m512i* w = W + b * PANEL;
+        if (flags & MW_PK_Q8) {  /* vector i: inputs 4i..4i+3, signed + 128 */
+            for (int i = 0; i < 8; i++) {
+                const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * i), bias);
+                w[2 * i] = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8);
+                w[2 * i + 1] = _mm512_srai_epi16(v, 8);
+            }
+        } else {  /* vector i: low nibbles inputs 4i..4i+3, high nibbles 16+4i.. */
+            for (int i = 0; i < 4; i++) {
+                const __m512i v = _mm512_loadu_si512(blk + 64 * i);
+                w[2 * i] = _mm512_and_si512(v, m4);
+                w[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 8), m4);
+                w[8 + 2 * i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                w[8 + 2 * i + 1] = _mm512_srli_epi16(v, 12);
+            }
+        }
+    }
+    const int64_t ng = flags & MW_PK_G16 ? 2 * nb : nb;  /* groups of 16 or 32 values */
+    for (int which = 0; which < (flags & MW_PK_OFFSETS ? 2 : 1); which++)
+        for (int64_t g = 0; g < ng; g++)
+            _mm512_store_ps((which ? C : S) + g * PANEL,
+                            mw_packed_table(which ? c : s, p, g, ng, mw_packed_fmt(flags)));
+}
 
 /* Every panel of the weight against every token: y [M, N] (row stride ldy) */
 static int run_panels(const panel_source* src, const float* x, int64_t M, int64_t K, int64_t G,
@@ -259,41 +291,6 @@ static int panel_gemm(int is_q4, const float* x, int64_t M, int64_t K, int64_t G
     if (G != 16 && G % ABLOCK) return 0;
     const panel_source src = {0, is_q4, half, 0, codes, s, c};
     return run_panels(&src, x, M, K, G, y, N, N);
-}
-
-/* One packed panel (packed_gemm.c's layout) as unpack_panel leaves a row-layout one: W[k / 2]
- * lane r = an int16 pair of row r, S / C the rows' tables as float. The pairs come out as
- * (4g, 4g + 2) and (4g + 1, 4g + 3) of each 4 inputs, which is why the activations go in
- * quad order (quantize_p16). */
-static void unpack_packed(const uint8_t* codes, const void* s, const void* c, int64_t p,
-                          int64_t K, int flags, __m512i* W, float* S, float* C) {
-    const int64_t nb = K / ABLOCK, cb = flags & MW_PK_Q8 ? 512 : 256;
-    const uint8_t* panel = codes + p * nb * cb;
-    const __m512i m4 = _mm512_set1_epi32(0x000F000F), bias = _mm512_set1_epi32((int)0x80808080u);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t* blk = panel + b * cb;
-        __m512i* w = W + b * PANEL;
-        if (flags & MW_PK_Q8) {  /* vector i: inputs 4i..4i+3, signed + 128 */
-            for (int i = 0; i < 8; i++) {
-                const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * i), bias);
-                w[2 * i] = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8);
-                w[2 * i + 1] = _mm512_srai_epi16(v, 8);
-            }
-        } else {  /* vector i: low nibbles inputs 4i..4i+3, high nibbles 16+4i.. */
-            for (int i = 0; i < 4; i++) {
-                const __m512i v = _mm512_loadu_si512(blk + 64 * i);
-                w[2 * i] = _mm512_and_si512(v, m4);
-                w[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 8), m4);
-                w[8 + 2 * i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-                w[8 + 2 * i + 1] = _mm512_srli_epi16(v, 12);
-            }
-        }
-    }
-    const int64_t ng = flags & MW_PK_G16 ? 2 * nb : nb;  /* groups of 16 or 32 values */
-    for (int which = 0; which < (flags & MW_PK_OFFSETS ? 2 : 1); which++)
-        for (int64_t g = 0; g < ng; g++)
-            _mm512_store_ps((which ? C : S) + g * PANEL,
-                            mw_packed_table(which ? c : s, p, g, ng, mw_packed_fmt(flags)));
 }
 
 int mw_packed_gemm_p16(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* s,

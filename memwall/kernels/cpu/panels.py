@@ -10,6 +10,7 @@ rows are bit-identical to one-token calls.
     pack_(weight)       PackedWeight q4 / q8 -> kind "panels", permuting its tensors in place
                         (no second copy: a packed weight takes the memory it took before)
     unpack_(weight)     the inverse, in place, bit for bit
+    unpacked_copy(w)    a row-layout copy (tensor-parallel cuts, AMX prefill)
     fits(weight)        whether pack_ takes it: q4, or q8 with a 32-value group; float32 or
                         float16 tables, or two-level ones with 8 sub-values a superblock
                         (GGUF's Q4_K, Q5_K); q8 in 16-value groups with two-level tables of 16
@@ -40,7 +41,7 @@ _CHUNK_ROWS = 4096  # rows permuted at a time: the scratch stays small for a 128
 # (each chunk is permuted into a fresh copy, then written back: with one block a row the
 # permutation is the identity and torch would hand back the chunk itself)
 
-__all__ = ["available", "fits", "matmul", "pack_", "rows", "unpack_"]
+__all__ = ["available", "fits", "matmul", "pack_", "rows", "unpack_", "unpacked_copy"]
 
 
 def available() -> bool:
@@ -72,23 +73,10 @@ def pack_(weight: PackedWeight) -> PackedWeight:
     if not fits(weight):
         raise LayoutError(f"a {weight.kind} weight [{weight.n}, {weight.k}] in groups of "
                           f"{weight.group} does not fit 16-row panels")
-    q8 = weight.kind == "q8"
-    codes = weight.codes.view(torch.uint8)
-    words = 8 if q8 else 4  # 32-bit words of a row's block
-    for r0 in range(0, weight.n, _CHUNK_ROWS):
-        chunk = codes[r0:r0 + _CHUNK_ROWS]
-        if q8:
-            chunk.bitwise_xor_(0x80)  # signed codes + 128: vpdpbusd's unsigned operand
-        # word i of row r's block b -> lane r of vector i: [groups, 16, nb, w] -> [groups, nb, w, 16]
-        w = chunk.view(torch.int32).reshape(-1, ROWS, weight.k // BLOCK, words)
-        lanes = w.permute(0, 2, 3, 1).clone(memory_format=torch.contiguous_format)
-        chunk.copy_(lanes.view(torch.uint8).reshape(chunk.shape))
-    tables = [weight.scales] + ([weight.offsets] if weight.offsets is not None else [])
-    for table in tables:
-        for r0 in range(0, weight.n, _CHUNK_ROWS):
-            _permute_table(table[r0:r0 + _CHUNK_ROWS], pack=True)
+    _permute(weight, weight.kind == "q8", pack=True)
     two_level = weight.scales.dim() == 3
-    flags = ((PANEL_Q8 if q8 else 0) | (PANEL_HALF if weight.scales.dtype == torch.float16 else 0)
+    flags = ((PANEL_Q8 if weight.kind == "q8" else 0)
+             | (PANEL_HALF if weight.scales.dtype == torch.float16 else 0)
              | (PANEL_TWO_LEVEL if two_level and weight.group == BLOCK else 0)
              | (PANEL_G16 if weight.group == 16 else 0)
              | (PANEL_OFFSETS if weight.offsets is not None else 0))
@@ -99,20 +87,16 @@ def unpack_(weight: PackedWeight) -> PackedWeight:
     """The inverse of ``pack_``, in place: the row layout again (q4 or q8), bit for bit."""
     _check_packed(weight)
     q8 = bool(weight.flags & PANEL_Q8)
-    codes = weight.codes.view(torch.uint8)
-    words = 8 if q8 else 4
-    for r0 in range(0, weight.n, _CHUNK_ROWS):
-        chunk = codes[r0:r0 + _CHUNK_ROWS]
-        w = chunk.view(torch.int32).reshape(-1, weight.k // BLOCK, words, ROWS)
-        rows_ = w.permute(0, 3, 1, 2).clone(memory_format=torch.contiguous_format)
-        chunk.copy_(rows_.view(torch.uint8).reshape(chunk.shape))
-        if q8:
-            chunk.bitwise_xor_(0x80)
-    tables = [weight.scales] + ([weight.offsets] if weight.offsets is not None else [])
-    for table in tables:
-        for r0 in range(0, weight.n, _CHUNK_ROWS):
-            _permute_table(table[r0:r0 + _CHUNK_ROWS], pack=False)
+    _permute(weight, q8, pack=False)
     return dataclasses.replace(weight, kind="q8" if q8 else "q4", flags=0)
+
+
+def unpacked_copy(weight: PackedWeight) -> PackedWeight:
+    """A copy of a packed weight in the row layout (the weight itself stays packed)."""
+    _check_packed(weight)
+    return unpack_(dataclasses.replace(
+        weight, codes=weight.codes.clone(), scales=weight.scales.clone(),
+        offsets=None if weight.offsets is None else weight.offsets.clone()))
 
 
 def matmul(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
@@ -124,7 +108,7 @@ def matmul(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     m = x.shape[0]
     lib = build.require()
     if m and lib.mw_int_acts_on() and amx.use_for(m):
-        plain = unpack_(_cloned(weight))
+        plain = unpacked_copy(weight)
         return amx.matmul(plain.kind, x, plain.codes, plain.scales, plain.offsets)
     y = torch.empty(m, weight.n, dtype=torch.float32)
     if m and weight.n and not lib.mw_packed_gemm(
@@ -149,10 +133,33 @@ def rows(weight: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     return out.view(*ids.shape, weight.k)
 
 
+def _permute(weight: PackedWeight, q8: bool, pack: bool) -> None:
+    """A weight's codes and tables into panel order (``pack``) or back, in place, a chunk of
+    rows at a time. Codes: 32-bit word i of row r's block b goes to lane r of vector i
+    ([groups, 16, nb, w] <-> [groups, nb, w, 16]); q8 codes also flip their top bit (signed
+    codes + 128: vpdpbusd's unsigned operand; a byte-wise flip, so before or after the move)."""
+    codes = weight.codes.view(torch.uint8)
+    words = 8 if q8 else 4  # 32-bit words of a row's block
+    nb = weight.k // BLOCK
+    for r0 in range(0, weight.n, _CHUNK_ROWS):
+        chunk = codes[r0:r0 + _CHUNK_ROWS]
+        w = chunk.view(torch.int32)
+        moved = (w.reshape(-1, ROWS, nb, words).permute(0, 2, 3, 1) if pack
+                 else w.reshape(-1, nb, words, ROWS).permute(0, 3, 1, 2))
+        chunk.copy_(moved.clone(memory_format=torch.contiguous_format).view(torch.uint8)
+                    .reshape(chunk.shape))
+        if q8:
+            chunk.bitwise_xor_(0x80)
+    for table in (weight.scales, weight.offsets):
+        if table is not None:
+            for r0 in range(0, weight.n, _CHUNK_ROWS):
+                _permute_table(table[r0:r0 + _CHUNK_ROWS], pack)
+
+
 def _permute_table(chunk: torch.Tensor, pack: bool) -> None:
     """A scale or offset table's rows (a multiple of 16) into panel order (``pack``) or back,
-    in place. One entry a block: [16 rows, nb] -> [nb, 16]. Two-level: per superblock the 16
-    rows' float32 d side by side (64 bytes), then each of the 8 sub-values for the 16 rows."""
+    in place. One entry a group: [16 rows, groups] -> [groups, 16]. Two-level: per superblock
+    the 16 rows' float32 d side by side (64 bytes), then each sub-value for the 16 rows."""
     if chunk.dim() == 2:
         g, nb = chunk.shape[0] // ROWS, chunk.shape[1]
         shaped = (chunk.reshape(g, ROWS, nb) if pack else chunk.reshape(g, nb, ROWS)).permute(0, 2, 1)
@@ -169,11 +176,6 @@ def _permute_table(chunk: torch.Tensor, pack: bool) -> None:
         d = lanes[..., :ROWS * 4].reshape(g, supers, ROWS, 4)
         sub = lanes[..., ROWS * 4:].reshape(g, supers, width - 4, ROWS).permute(0, 1, 3, 2)
         chunk.copy_(torch.cat([d, sub], dim=3).permute(0, 2, 1, 3).reshape(chunk.shape))
-
-
-def _cloned(weight: PackedWeight) -> PackedWeight:
-    return dataclasses.replace(weight, codes=weight.codes.clone(), scales=weight.scales.clone(),
-                               offsets=None if weight.offsets is None else weight.offsets.clone())
 
 
 def _check_packed(weight: PackedWeight) -> None:
