@@ -280,7 +280,7 @@ class DeviceConfig:
     """cuda: share of total GPU memory for weights + activations + KV cache."""
     kv_cache_dtype: str = "auto"
     """auto (cuda: = dtype; cpu: fp16 with float32 compute), fp32, fp16, bf16, int8 (a scale
-    per token and KV head) or fp8 (torch.float8_e4m3fn); memwall/attention/kv_quant.py."""
+    per 16 values of a token and KV head) or fp8 (torch.float8_e4m3fn); memwall/attention/kv_quant.py."""
     enforce_eager: bool = False
     """cuda: never capture or replay CUDA graphs."""
 
@@ -416,7 +416,7 @@ class EngineArgs:
                                                "pass leave of it (cuda only)")
     kv_cache_dtype: str = _arg("auto", "KV cache elements: auto (cpu: fp16; cuda: the compute "
                                        "dtype), fp32, fp16, bf16, int8 (one byte, a float scale "
-                                       "per token and KV head; cpu only), or fp8 (float8 e4m3, "
+                                       "per 16 values of a token and KV head; cpu only), or fp8 (float8 e4m3, "
                                        "one byte; values clamped to +-448, no scale)")
     enforce_eager: bool = _arg(False, "cuda: run decode steps eagerly instead of replaying "
                                       "captured CUDA graphs")

@@ -9,9 +9,9 @@ metadata with it, and binds it into the model's attention modules once (``bind``
     triton  the GPU kernels (memwall/attention/triton_backend.py), imported only when chosen
 
 The KV cache's number format (memwall/attention/kv_quant.py: fp32, fp16, bf16, fp8, int8 with
-a scale per token and head) is the cache tensor's dtype. The torch and cpu backends write and
-read every format (the cpu backend's native kernel reads them in place, dequantizing in
-registers); triton takes the compute dtype and fp8 only (memwall/worker/device.py checks).
+a scale per 16 values of a token and head) is the cache tensor's dtype. The torch and cpu
+backends write and read every format (the cpu backend's native kernel reads them in place,
+dequantizing in registers); triton takes the compute dtype and fp8 only (memwall/worker/device.py checks).
 fp8 values are clamped to +-448 (no scale: the cache holds the values themselves).
 """
 

@@ -105,8 +105,8 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
     blocks = cache[block_table]  # [..., max_blocks, block_size, kv_heads, head_dim]
     flat = blocks.flatten(-4, -3)  # [..., max_blocks * block_size, kv_heads, head_dim]
     scales = kv_quant.scales_of(cache)
-    if scales is not None:  # [..., max_blocks * block_size, kv_heads]
-        scales = scales[block_table].flatten(-3, -2)[..., :length, :]
+    if scales is not None:  # [..., max_blocks * block_size, kv_heads, groups]
+        scales = scales[block_table].flatten(-4, -3)[..., :length, :, :]
     return kv_quant.dequantize(flat[..., :length, :, :], scales)
 
 

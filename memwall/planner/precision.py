@@ -16,7 +16,7 @@ the KV cache's element types, each as the engine stores them.
         tests/planner/test_precision.py holds this table to it.
 
     KV cache  bytes per token and KV head (head_dim D), as memwall/attention/kv_quant.py
-    fp32 4 D    fp16 2 D    bf16 2 D    fp8 D    int8 D + 4 (a float32 scale per token and head)
+    fp32 4 D    fp16 2 D    bf16 2 D    fp8 D    int8 D + 4 ceil(D / 16) (a float32 scale per 16)
 
 No torch here: the engine's own figure (memwall.worker.kv_cache.bytes_per_token) is checked
 against ``kv_bytes_per_token_head`` in the tests instead.
@@ -93,7 +93,8 @@ def compute_dtype(name: str, on_gpu: bool) -> str:
 # ---- KV cache ----------------------------------------------------------------------------------
 KV_ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
 KV_SCALE_BYTES = {"int8": 4}
-"""int8 stores one float32 scale per token and KV head next to the codes (kv_quant.py)."""
+"""int8 stores a float32 scale per token, KV head and KV_SCALE_GROUP values (kv_quant.py)."""
+KV_SCALE_GROUP = 16
 KV_CACHE_DTYPES = ("auto", *KV_ELEMENT_BYTES)
 
 
@@ -110,8 +111,9 @@ def kv_cache_dtype(name: str, compute: str, on_gpu: bool) -> str:
 
 
 def kv_bytes_per_token_head(kv_dtype: str, head_dim: int) -> int:
-    """One token's K (or V) of one KV head in the cache, int8's scale included."""
-    return head_dim * KV_ELEMENT_BYTES[kv_dtype] + KV_SCALE_BYTES.get(kv_dtype, 0)
+    """One token's K (or V) of one KV head in the cache, int8's scales included."""
+    groups = -(-head_dim // KV_SCALE_GROUP)
+    return head_dim * KV_ELEMENT_BYTES[kv_dtype] + KV_SCALE_BYTES.get(kv_dtype, 0) * groups
 
 
 # ---- memwall's CPU kernel layouts --------------------------------------------------------------

@@ -59,16 +59,31 @@ def test_c_writer_is_byte_equal_to_the_torch_writer(isa, name):
         kv_write(c_cache, x[:1], torch.tensor([12]))
 
 
-def test_int8_has_one_scale_per_token_and_head():
-    x = torch.randn(5, 2, 16) * torch.tensor([1.0, 40.0]).view(1, 2, 1)
-    cache = _cache((2, 4, 2, 16), "int8")
+@pytest.mark.parametrize("dim", [16, 24, 64])
+def test_int8_has_one_scale_per_16_values_of_a_token_and_head(isa, dim):
+    """Each group of 16 values (the last one shorter when dim is not a multiple of 16) gets its
+    own scale, so one large channel coarsens only its own group; the C writer agrees."""
+    g = torch.Generator().manual_seed(dim)
+    x = torch.randn(5, 2, dim, generator=g) * torch.tensor([1.0, 40.0]).view(1, 2, 1)
+    x[:, :, 0] = torch.tensor([1.0, 40.0]).view(1, 2) * 100  # an outlier channel, first group
+    groups = -(-dim // 16)
+    cache, c_cache = _cache((2, 4, 2, dim), "int8"), _cache((2, 4, 2, dim), "int8")
     kv_quant.write(cache, x, torch.arange(5))
-    scales = kv_quant.scales_of(cache).view(-1, 2)[:5]  # [tokens, heads]
-    torch.testing.assert_close(scales, x.abs().amax(-1) / 127)
-    codes = cache.view(-1, 2, 16)[:5]
-    assert codes.abs().amax(-1).eq(127).all()  # each row's largest value uses the full range
-    err = (codes.float() * scales[..., None] - x).abs()
-    assert (err <= scales[..., None] / 2 + 1e-6).all()  # round to nearest: half a step at most
+    kv_write(c_cache, x, torch.arange(5))
+    assert torch.equal(cache, c_cache)
+    assert torch.equal(kv_quant.scales_of(cache), kv_quant.scales_of(c_cache))
+    scales = kv_quant.scales_of(cache).view(-1, 2, groups)[:5]  # [tokens, heads, groups]
+    padded = torch.nn.functional.pad(x, (0, groups * 16 - dim)).view(5, 2, groups, 16)
+    torch.testing.assert_close(scales, padded.abs().amax(-1) / 127)
+    codes = cache.view(-1, 2, dim)[:5]
+    per_value = scales.repeat_interleave(16, -1)[..., :dim]
+    err = (codes.float() * per_value - x).abs()
+    assert (err <= per_value / 2 + 1e-6).all()  # round to nearest: half a step at most
+    for group in range(groups):  # each group's largest value uses the full range
+        assert codes[..., group * 16:(group + 1) * 16].abs().amax(-1).eq(127).all()
+    if groups > 1:  # the outlier's group has the coarse step, the others keep theirs
+        assert (scales[..., 1:] < scales[..., :1] / 5).all()
+    assert torch.equal(kv_quant.dequantize(codes, scales), codes.float() * per_value)
 
 
 def _case(lens: list[int], block: int, kv_heads: int, dim: int, name: str, seed: int):

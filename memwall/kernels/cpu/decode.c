@@ -81,7 +81,7 @@ typedef struct {
     mw_proj qkv, o, gate_up, down;
     void* k_cache;          /* [n_blocks, block_size, n_kv_heads, head_dim] of kv_type */
     void* v_cache;
-    float* k_scale;         /* MW_KV_I8: [n_blocks, block_size, n_kv_heads]; else NULL */
+    float* k_scale;         /* MW_KV_I8: [n_blocks, block_size, n_kv_heads, ceil(D / 16)]; else NULL */
     float* v_scale;
     const float* attn_out_norm; /* [hidden] or NULL: Gemma norms the attention output ... */
     const float* ffn_out_norm;  /* ... and the MLP output before the residual add */

@@ -184,9 +184,11 @@ void mw_q8_dequant_split(const int8_t* codes, const void* s, const void* c, floa
                          float* lo, int64_t N, int64_t K, int64_t G, int half);
 
 /* paged_attention.c: KV caches [num_blocks, block_size, kv_heads, head_dim] in one of these
- * element types (memwall/attention/kv_quant.py); MW_KV_I8 has a float scale per token and KV
- * head, scales [num_blocks, block_size, kv_heads], value = scale * code. */
+ * element types (memwall/attention/kv_quant.py); MW_KV_I8 has a float scale per token, KV head
+ * and MW_KV_GROUP values, scales [num_blocks, block_size, kv_heads, ceil(D / MW_KV_GROUP)],
+ * value = scale * code. */
 enum { MW_KV_F32 = 0, MW_KV_F16 = 1, MW_KV_BF16 = 2, MW_KV_I8 = 3, MW_KV_FP8 = 4 };
+#define MW_KV_GROUP 16
 int mw_check_tables(const int64_t* block_tables, int64_t table_width, const int64_t* seq_lens,
                     int64_t B, int64_t block_size, int64_t num_blocks);
 int mw_paged_attention_run(const float* q, const void* k_cache, const void* v_cache,

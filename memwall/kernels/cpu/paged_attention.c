@@ -2,11 +2,11 @@
  * sequence attends over its KV blocks where they lie in the pool, nothing gathered or copied.
  *
  * KV cache layout per layer: [num_blocks, block_size, kv_heads, head_dim] in one element type
- * (kernels.h MW_KV_*: float32, float16, bfloat16, int8 with a float scale per token and KV
- * head, float8 e4m3); token t of a sequence sits in block block_table[t / block_size] at
- * offset t % block_size. Quantized rows are widened to float in registers as q.k and p.v read
- * them (an int8 key's scale multiplies its dot product, a value's scale its weight p): long
- * decodes are bound by the bytes they read, so a 1-byte cache reads a quarter of fp32's.
+ * (kernels.h MW_KV_*: float32, float16, bfloat16, int8 with a float scale per token, KV head
+ * and 16 values, float8 e4m3); token t of a sequence sits in block block_table[t / block_size]
+ * at offset t % block_size. Quantized rows are widened to float in registers as q.k and p.v
+ * read them (an int8 row's 16 codes times their scale): long decodes are bound by the bytes
+ * they read, so a 1-byte cache reads about a third of fp32's.
  * mw_kv_write is the one writer of the formats (the fused decode step's new tokens); the
  * torch side (memwall/attention/kv_quant.py) rounds the same way, byte for byte.
  */
@@ -58,6 +58,14 @@ static int64_t kv_elem_size(int kt) {
     return kt == MW_KV_F32 ? 4 : (kt == MW_KV_F16 || kt == MW_KV_BF16) ? 2 : 1;
 }
 
+/* an int8 row's scales: one per MW_KV_GROUP values (a last group may be shorter) */
+static inline int64_t kv_groups(int64_t D) { return (D + MW_KV_GROUP - 1) / MW_KV_GROUP; }
+
+/* the scales of cache row r (slot * Hkv + head) of an int8 cache; NULL for the other formats */
+static inline const float* kv_row_scales(const float* scales, int kt, int64_t r, int64_t D) {
+    return kt == MW_KV_I8 ? scales + r * kv_groups(D) : NULL;
+}
+
 /* round to nearest even, saturating at +-65504 (as kv_quant.py clamps before converting) */
 static inline uint16_t float_to_half(float f) {
     const uint16_t sign = (uint16_t)((mw_float_to_bits(f) >> 16) & 0x8000);
@@ -92,20 +100,22 @@ static inline uint8_t float_to_fp8(float f) {
     return sign | (uint8_t)((((u >> 23) - 120) << 3) | ((u >> 20) & 7));
 }
 
-/* element i of a cache row as float (int8: the code; its scale is applied by the caller) */
-MW_INLINE float kv_get(const void* row, int64_t i, int kt) {
+/* element i of a cache row as float (int8: its code times its group's scale, srow the row's
+ * scales; the other formats ignore srow) */
+MW_INLINE float kv_get(const void* row, const float* srow, int64_t i, int kt) {
     switch (kt) {
     case MW_KV_F16: return mw_half_to_float(((const uint16_t*)row)[i]);
     case MW_KV_BF16: return mw_bf16_to_float(((const uint16_t*)row)[i]);
-    case MW_KV_I8: return (float)((const int8_t*)row)[i];
+    case MW_KV_I8: return (float)((const int8_t*)row)[i] * srow[i / MW_KV_GROUP];
     case MW_KV_FP8: return fp8_table[((const uint8_t*)row)[i]];
     default: return ((const float*)row)[i];
     }
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* 8 elements i..i+7 of a cache row as floats, widened in registers */
-MW_INLINE __m256 kv_load8(const void* row, int64_t i, int kt) {
+/* 8 elements i..i+7 of a cache row as floats, widened in registers (i a multiple of 8, so
+ * an int8 row's 8 share one scale) */
+MW_INLINE __m256 kv_load8(const void* row, const float* srow, int64_t i, int kt) {
     switch (kt) {
     case MW_KV_F16: {
         const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)row + i));
@@ -126,8 +136,9 @@ MW_INLINE __m256 kv_load8(const void* row, int64_t i, int kt) {
         return _mm256_castsi256_ps(_mm256_slli_epi32(
             _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)row + i))), 16));
     case MW_KV_I8:
-        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-            _mm_loadl_epi64((const __m128i*)((const int8_t*)row + i))));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                 _mm_loadl_epi64((const __m128i*)((const int8_t*)row + i)))),
+                             _mm256_set1_ps(srow[i / MW_KV_GROUP]));
     case MW_KV_FP8: {  /* as f16 above: e4m3's exponent rebiased by 120, subnormals m * 2^-9 */
         const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)((const uint8_t*)row + i)));
         const __m256i em = _mm256_and_si256(w, _mm256_set1_epi32(0x7F));
@@ -144,12 +155,12 @@ MW_INLINE __m256 kv_load8(const void* row, int64_t i, int kt) {
 
 /* dots[jj][i] = the 8-lane partial sums of q_jj . row for JN query heads (q rows D apart):
  * each element of the row is widened once for all JN heads */
-MW_INLINE void qk_key(const float* q, int64_t D, const void* row, int kt, const int JN,
-                      __m256 dots[4][8], int i) {
+MW_INLINE void qk_key(const float* q, int64_t D, const void* row, const float* srow, int kt,
+                      const int JN, __m256 dots[4][8], int i) {
     __m256 a[4];
     for (int jj = 0; jj < JN; jj++) a[jj] = _mm256_setzero_ps();
     for (int64_t c = 0; c < D; c += 8) {
-        const __m256 k = kv_load8(row, c, kt);
+        const __m256 k = kv_load8(row, srow, c, kt);
         for (int jj = 0; jj < JN; jj++) a[jj] = _mm256_fmadd_ps(_mm256_loadu_ps(q + jj * D + c), k, a[jj]);
     }
     for (int jj = 0; jj < JN; jj++) dots[jj][i] = a[jj];
@@ -158,15 +169,16 @@ MW_INLINE void qk_key(const float* q, int64_t D, const void* row, int kt, const 
 /* o[jj][d0 .. d0 + 8 CN) += sum over u of p[jj][u] v_u[...] for JN heads: 4 x 2 accumulators
  * stay in registers, each value vector is widened once for all JN heads */
 MW_INLINE void pv_pass(const float* p, int64_t n, float* o, int64_t D, const char* base,
-                       int64_t row_bytes, const int64_t* rows, int64_t u0, int64_t u1,
-                       int64_t d0, int kt, const int JN, const int CN) {
+                       const float* scales, int64_t row_bytes, const int64_t* rows, int64_t u0,
+                       int64_t u1, int64_t d0, int kt, const int JN, const int CN) {
     __m256 acc[4][2];
     for (int jj = 0; jj < JN; jj++)
         for (int cc = 0; cc < CN; cc++) acc[jj][cc] = _mm256_loadu_ps(o + jj * D + d0 + 8 * cc);
     for (int64_t u = u0; u < u1; u++) {
         const void* row = base + rows[u] * row_bytes;
+        const float* srow = kv_row_scales(scales, kt, rows[u], D);
         __m256 v[2];
-        for (int cc = 0; cc < CN; cc++) v[cc] = kv_load8(row, d0 + 8 * cc, kt);
+        for (int cc = 0; cc < CN; cc++) v[cc] = kv_load8(row, srow, d0 + 8 * cc, kt);
         for (int jj = 0; jj < JN; jj++) {
             const __m256 pj = _mm256_set1_ps(p[jj * n + u]);
             for (int cc = 0; cc < CN; cc++) acc[jj][cc] = _mm256_fmadd_ps(pj, v[cc], acc[jj][cc]);
@@ -177,8 +189,9 @@ MW_INLINE void pv_pass(const float* p, int64_t n, float* o, int64_t D, const cha
 }
 
 #if defined(__AVX512F__)
-/* 16 elements i..i+15 of a cache row as floats (head dims a multiple of 16) */
-MW_INLINE __m512 kv_load16(const void* row, int64_t i, int kt) {
+/* 16 elements i..i+15 of a cache row as floats (head dims a multiple of 16: an int8 row's
+ * 16 are one group) */
+MW_INLINE __m512 kv_load16(const void* row, const float* srow, int64_t i, int kt) {
     switch (kt) {
     case MW_KV_F16:
         return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)row + i)));
@@ -186,24 +199,25 @@ MW_INLINE __m512 kv_load16(const void* row, int64_t i, int kt) {
         return _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)row + i))), 16));
     case MW_KV_I8:
-        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128((const __m128i*)((const int8_t*)row + i))));
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                 _mm_loadu_si128((const __m128i*)((const int8_t*)row + i)))),
+                             _mm512_set1_ps(srow[i / MW_KV_GROUP]));
     case MW_KV_FP8:  /* kv_load8's bit trick, twice */
         return _mm512_castpd_ps(_mm512_insertf64x4(
-            _mm512_castps_pd(_mm512_castps256_ps512(kv_load8(row, i, kt))),
-            _mm256_castps_pd(kv_load8(row, i + 8, kt)), 1));
+            _mm512_castps_pd(_mm512_castps256_ps512(kv_load8(row, srow, i, kt))),
+            _mm256_castps_pd(kv_load8(row, srow, i + 8, kt)), 1));
     default: return _mm512_loadu_ps((const float*)row + i);
     }
 }
 
 /* qk_key for head dims a multiple of 16: 16-wide products, folded to the 8-lane partial sums
  * qk_key leaves (each element of the row is widened once for all JN heads) */
-MW_INLINE void qk_key16(const float* q, int64_t D, const void* row, int kt, const int JN,
-                        __m256 dots[4][8], int i) {
+MW_INLINE void qk_key16(const float* q, int64_t D, const void* row, const float* srow, int kt,
+                        const int JN, __m256 dots[4][8], int i) {
     __m512 a[4];
     for (int jj = 0; jj < JN; jj++) a[jj] = _mm512_setzero_ps();
     for (int64_t c = 0; c < D; c += 16) {
-        const __m512 k = kv_load16(row, c, kt);
+        const __m512 k = kv_load16(row, srow, c, kt);
         for (int jj = 0; jj < JN; jj++) a[jj] = _mm512_fmadd_ps(_mm512_loadu_ps(q + jj * D + c), k, a[jj]);
     }
     for (int jj = 0; jj < JN; jj++)
@@ -214,15 +228,16 @@ MW_INLINE void qk_key16(const float* q, int64_t D, const void* row, int kt, cons
 /* pv_pass for head dims a multiple of 16: o[jj][d0 .. d0 + 16 CN) for JN heads, CN <= 4
  * (64 dims a pass: 16 accumulators in registers, each value vector widened once) */
 MW_INLINE void pv_pass16(const float* p, int64_t n, float* o, int64_t D, const char* base,
-                         int64_t row_bytes, const int64_t* rows, int64_t u0, int64_t u1,
-                         int64_t d0, int kt, const int JN, const int CN) {
+                         const float* scales, int64_t row_bytes, const int64_t* rows, int64_t u0,
+                         int64_t u1, int64_t d0, int kt, const int JN, const int CN) {
     __m512 acc[4][4];
     for (int jj = 0; jj < JN; jj++)
         for (int cc = 0; cc < CN; cc++) acc[jj][cc] = _mm512_loadu_ps(o + jj * D + d0 + 16 * cc);
     for (int64_t u = u0; u < u1; u++) {
         const void* row = base + rows[u] * row_bytes;
+        const float* srow = kv_row_scales(scales, kt, rows[u], D);
         __m512 v[4];
-        for (int cc = 0; cc < CN; cc++) v[cc] = kv_load16(row, d0 + 16 * cc, kt);
+        for (int cc = 0; cc < CN; cc++) v[cc] = kv_load16(row, srow, d0 + 16 * cc, kt);
         for (int jj = 0; jj < JN; jj++) {
             const __m512 pj = _mm512_set1_ps(p[jj * n + u]);
             for (int cc = 0; cc < CN; cc++) acc[jj][cc] = _mm512_fmadd_ps(pj, v[cc], acc[jj][cc]);
@@ -235,8 +250,8 @@ MW_INLINE void pv_pass16(const float* p, int64_t n, float* o, int64_t D, const c
 #endif
 
 /* a cache row widened to D floats (the plain-C paths and head dims off the 8-wide vectors) */
-MW_INLINE void kv_row(const void* row, int64_t D, int kt, float* out) {
-    for (int64_t i = 0; i < D; i++) out[i] = kv_get(row, i, kt);
+MW_INLINE void kv_row(const void* row, const float* srow, int64_t D, int kt, float* out) {
+    for (int64_t i = 0; i < D; i++) out[i] = kv_get(row, srow, i, kt);
 }
 
 /* Attention of the `group` query heads that share KV head h over tokens t0..t1 of one
@@ -255,7 +270,6 @@ MW_INLINE void attend_range(const float* qh, int64_t group, int64_t D, const voi
                             float* scores, int64_t* rows, float* rowbuf, float* o, float* m,
                             float* l) {
     const int64_t n = t1 - t0, row_bytes = D * kv_elem_size(kt);
-    const int scaled = kt == MW_KV_I8;
     /* each token's (slot, head) row, walked block by block: an integer division per token
        (t / block_size with a run-time block size) cost more than its dot product */
     {
@@ -276,19 +290,14 @@ MW_INLINE void attend_range(const float* qh, int64_t group, int64_t D, const voi
 #if defined(__AVX2__) && defined(__FMA__)
     if (D % 8 == 0) {  /* 8 keys at a time: 8 partial-sum vectors a head, one reduction tree */
         for (; i < n; i += 8) {
-            __m256 sc = _mm256_set1_ps(scale);
-            if (scaled) {
-                const int64_t* r = rows + i;
-                sc = _mm256_mul_ps(sc, _mm256_setr_ps(k_scales[r[0]], k_scales[r[1]], k_scales[r[2]],
-                                                      k_scales[r[3]], k_scales[r[4]], k_scales[r[5]],
-                                                      k_scales[r[6]], k_scales[r[7]]));
-            }
+            const __m256 sc = _mm256_set1_ps(scale);
             for (int64_t j0 = 0; j0 < group; j0 += 4) {
                 const int64_t jn = group - j0 < 4 ? group - j0 : 4;
                 const float* qj = qh + j0 * D;
                 __m256 dots[4][8];
                 for (int k = 0; k < 8; k++) {
                     const void* row = kb + rows[i + k] * row_bytes;
+                    const float* srow = kv_row_scales(k_scales, kt, rows[i + k], D);
                     if (j0 == 0) {  /* the key 16 on, and this key's value for p . V below */
                         const char* ka = kb + rows[i + k + 16 < n + 7 ? i + k + 16 : n + 6] * row_bytes;
                         const char* va = vb + rows[i + k] * row_bytes;
@@ -297,10 +306,10 @@ MW_INLINE void attend_range(const float* qh, int64_t group, int64_t D, const voi
                             __builtin_prefetch(va + off, 0, 2);
                         }
                     }
-#define QK(FN) switch (jn) { case 1: FN(qj, D, row, kt, 1, dots, k); break; \
-                               case 2: FN(qj, D, row, kt, 2, dots, k); break; \
-                               case 3: FN(qj, D, row, kt, 3, dots, k); break; \
-                               default: FN(qj, D, row, kt, 4, dots, k); }
+#define QK(FN) switch (jn) { case 1: FN(qj, D, row, srow, kt, 1, dots, k); break; \
+                               case 2: FN(qj, D, row, srow, kt, 2, dots, k); break; \
+                               case 3: FN(qj, D, row, srow, kt, 3, dots, k); break; \
+                               default: FN(qj, D, row, srow, kt, 4, dots, k); }
 #if defined(__AVX512F__)
                     if (D % 16 == 0) {
                         QK(qk_key16)
@@ -325,9 +334,8 @@ MW_INLINE void attend_range(const float* qh, int64_t group, int64_t D, const voi
     }
 #endif
     for (; i < n; i++) {
-        kv_row(kb + rows[i] * row_bytes, D, kt, rowbuf);
-        const float sc = scaled ? scale * k_scales[rows[i]] : scale;
-        for (int64_t j = 0; j < group; j++) scores[j * n + i] = dot_f32(qh + j * D, rowbuf, D) * sc;
+        kv_row(kb + rows[i] * row_bytes, kv_row_scales(k_scales, kt, rows[i], D), D, kt, rowbuf);
+        for (int64_t j = 0; j < group; j++) scores[j * n + i] = dot_f32(qh + j * D, rowbuf, D) * scale;
     }
     for (int64_t j = 0; j < group; j++) {
         float* sj = scores + j * n;
@@ -336,8 +344,6 @@ MW_INLINE void attend_range(const float* qh, int64_t group, int64_t D, const voi
         for (int64_t u = 0; u < nj; u++) mx = sj[u] > mx ? sj[u] : mx;
         m[j] = mx;
         l[j] = exp_shift_sum(sj, nj, mx);
-        if (scaled)  /* l is the sum of the weights; the value rows' scales go into p */
-            for (int64_t u = 0; u < nj; u++) sj[u] *= v_scales[rows[u]];
         memset(sj + nj, 0, sizeof(float) * (n - nj));  /* keys past this head's position */
     }
     memset(o, 0, sizeof(float) * group * D);
@@ -353,7 +359,7 @@ MW_INLINE void attend_range(const float* qh, int64_t group, int64_t D, const voi
                     const float* p = scores + j0 * n;
                     float* oj = o + j0 * D;
                     const int64_t d0 = 16 * c0, cn = nd - c0 < 4 ? nd - c0 : 4;
-#define PV16(JN, CN) pv_pass16(p, n, oj, D, vb, row_bytes, rows, u0, u1, d0, kt, JN, CN)
+#define PV16(JN, CN) pv_pass16(p, n, oj, D, vb, v_scales, row_bytes, rows, u0, u1, d0, kt, JN, CN)
 #define PV16_JN(CN) switch (jn) { case 1: PV16(1, CN); break; case 2: PV16(2, CN); break; \
                                   case 3: PV16(3, CN); break; default: PV16(4, CN); }
                     switch (cn) { case 1: PV16_JN(1); break; case 2: PV16_JN(2); break;
@@ -378,7 +384,7 @@ MW_INLINE void attend_range(const float* qh, int64_t group, int64_t D, const voi
                     const float* p = scores + j0 * n;
                     float* oj = o + j0 * D;
                     const int64_t d0 = 8 * c0;
-#define PV(JN, CN) pv_pass(p, n, oj, D, vb, row_bytes, rows, u0, u1, d0, kt, JN, CN)
+#define PV(JN, CN) pv_pass(p, n, oj, D, vb, v_scales, row_bytes, rows, u0, u1, d0, kt, JN, CN)
                     if (nd - c0 >= 2) {
                         switch (jn) { case 1: PV(1, 2); break; case 2: PV(2, 2); break;
                                       case 3: PV(3, 2); break; default: PV(4, 2); }
@@ -394,7 +400,7 @@ MW_INLINE void attend_range(const float* qh, int64_t group, int64_t D, const voi
     }
 #endif
     for (int64_t u = 0; u < n; u++) {
-        kv_row(vb + rows[u] * row_bytes, D, kt, rowbuf);
+        kv_row(vb + rows[u] * row_bytes, kv_row_scales(v_scales, kt, rows[u], D), D, kt, rowbuf);
         for (int64_t j = 0; j < group; j++) axpy_f32(scores[j * n + u], rowbuf, o + j * D, D);
     }
 }
@@ -418,7 +424,7 @@ static void attend(const float* qh, int64_t group, int64_t D, const void* k_cach
 #undef ATTEND
 }
 
-/* one row of D floats -> its cache format at dst (int8: its scale at *scale) */
+/* one row of D floats -> its cache format at dst (int8: its kv_groups(D) scales at scale) */
 static void write_row(const float* x, int64_t D, int kt, void* dst, float* scale) {
     switch (kt) {
     case MW_KV_F16: {
@@ -442,17 +448,19 @@ static void write_row(const float* x, int64_t D, int kt, void* dst, float* scale
     case MW_KV_FP8:
         for (int64_t i = 0; i < D; i++) ((uint8_t*)dst)[i] = float_to_fp8(x[i]);
         break;
-    case MW_KV_I8: {  /* symmetric, as kv_quant.quantize: code = round(x / (max|x| / 127)) */
-        float amax = 0.f;
-        for (int64_t i = 0; i < D; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-        const float s = amax / 127.f, safe = s > 0.f ? s : 1.f;
-        for (int64_t i = 0; i < D; i++) {
-            float c = nearbyintf(x[i] / safe);
-            ((int8_t*)dst)[i] = (int8_t)(c > 127.f ? 127.f : c < -127.f ? -127.f : c);
+    case MW_KV_I8:  /* symmetric per group, as kv_quant.quantize: code = round(x / (max|x| / 127)) */
+        for (int64_t g0 = 0; g0 < D; g0 += MW_KV_GROUP) {
+            const int64_t g1 = g0 + MW_KV_GROUP < D ? g0 + MW_KV_GROUP : D;
+            float amax = 0.f;
+            for (int64_t i = g0; i < g1; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+            const float s = amax / 127.f, safe = s > 0.f ? s : 1.f;
+            for (int64_t i = g0; i < g1; i++) {
+                float c = nearbyintf(x[i] / safe);
+                ((int8_t*)dst)[i] = (int8_t)(c > 127.f ? 127.f : c < -127.f ? -127.f : c);
+            }
+            scale[g0 / MW_KV_GROUP] = s;
         }
-        *scale = s;
         break;
-    }
     default: memcpy(dst, x, sizeof(float) * D);
     }
 }
@@ -467,7 +475,7 @@ int mw_kv_write(const float* x, int64_t n, const int64_t* slots, int64_t num_slo
         for (int64_t h = 0; h < Hkv; h++) {
             const int64_t r = slots[b] * Hkv + h;
             write_row(x + (b * Hkv + h) * D, D, kt, (char*)cache + r * row_bytes,
-                      scales ? scales + r : NULL);
+                      scales ? scales + r * kv_groups(D) : NULL);
         }
     return MW_OK;
 }
@@ -729,8 +737,8 @@ MW_INLINE void load_chunk(const void* cache, const float* scales, int kt, const 
         const int64_t t = t0 + i;
         const int64_t slot_row = (table[t / block_size] * block_size + t % block_size) * Hkv + h;
         const void* src = (const char*)cache + slot_row * row_bytes;
-        const __m256 sc = _mm256_set1_ps(kt == MW_KV_I8 ? scales[slot_row] : 1.f);
-        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(kv_load8(src, d, kt), sc));
+        const float* srow = kv_row_scales(scales, kt, slot_row, D);
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, kv_load8(src, srow, d, kt));
     }
 }
 
