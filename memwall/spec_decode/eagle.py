@@ -16,6 +16,8 @@ layout; ``benchmarks/train_eagle.py`` is to write it.
 
 ``EagleProposer`` drafts with it: the runner hands it the target's final hidden states every
 step (``Proposer.record``), its paged cache catches up on them, then it drafts k greedy tokens.
+The target's LM head is most of a drafted token's cost; ``draft_vocab_size`` cuts it to the
+first ids' rows (draft_vocab.py).
 """
 
 from __future__ import annotations
@@ -149,11 +151,14 @@ class EagleProposer(Proposer):
     wants_features = True
 
     def __init__(self, head: EagleHead, target: nn.Module, kv_caches: list[KVCache],
-                 block_size: int, backend) -> None:
-        """``target``: the target model (its token embedding and LM head are shared)."""
+                 block_size: int, backend, logits=None) -> None:
+        """``target``: the target model (its token embedding and LM head are shared);
+        ``logits``: predicted features -> the logits drafts are the argmax of (default: the
+        target's whole head; draft_vocab.draft_head for a reduced vocabulary)."""
         from memwall.attention.backend import bind as bind_attention
 
         self.head, self.target, self.backend = head, target, backend
+        self.logits = logits if logits is not None else target.compute_logits
         self.cache = DraftCache(kv_caches, block_size)
         bind_attention(head, backend)
         self.max_len = head.config.max_position_embeddings
@@ -169,10 +174,10 @@ class EagleProposer(Proposer):
     @property
     def drafting_model(self) -> SimpleNamespace:
         """What one drafted token runs, in the shape step_shape.measure_row_costs times: the
-        head's matmuls and the target's LM head (most of it: a full vocabulary a token)."""
+        head's matmuls and the LM head it drafts from (most of it with the whole vocabulary)."""
         layers = nn.ModuleList([self.head.fc, *self.head.layers])
         return SimpleNamespace(model=SimpleNamespace(layers=layers), config=self.target.config,
-                               compute_logits=self.target.compute_logits)
+                               lm_head=self.logits, compute_logits=self.logits)
 
     def record(self, request_id: str, start: int, features) -> None:
         held = self.features.get(request_id)
@@ -218,7 +223,7 @@ class EagleProposer(Proposer):
         for step in range(max(limits, default=0)):
             rows = [i for i, limit in enumerate(limits) if step < limit]
             predicted = self._forward([active[i] for i in rows], [inputs[i] for i in rows])
-            tokens = argmax_rows(self.target.compute_logits(predicted))
+            tokens = argmax_rows(self.logits(predicted))
             for j, i in enumerate(rows):
                 rid, first, _, base = active[i]
                 if step == 0:

@@ -87,14 +87,17 @@ class ModelRunner:
                        plan: KVCachePlan, dtype: torch.dtype) -> Proposer:
         if spec.method == "eagle":
             from memwall.spec_decode.eagle import EagleProposer, load_eagle_head
+            from memwall.spec_decode.draft_vocab import draft_head
             head = load_eagle_head(spec.model, self.arch).to(self.device)
             caches = allocate_kv_cache(head.config, plan, dtype, self.device)
-            return EagleProposer(head, self.model, caches, plan.block_size, self.attn_backend)
+            return EagleProposer(head, self.model, caches, plan.block_size, self.attn_backend,
+                                 draft_head(self.model, spec.draft_vocab_size))
         if spec.method != "draft_model":
             return make_proposer(spec)
         if draft is None:
             raise ValueError("the draft_model method needs its model loaded (Worker.load_model)")
         from memwall.spec_decode.draft_model import DraftModelProposer
+        from memwall.spec_decode.draft_vocab import draft_head
         # as many tokens of draft KV as the target's pool holds: every sequence can draft
         caches = allocate_kv_cache(draft.arch, plan, dtype, self.device)
         fast = None
@@ -102,7 +105,8 @@ class ModelRunner:
             from memwall.worker.cpu_decode import FusedCpuDecode
             fast = FusedCpuDecode.build(draft.model, caches)
         return DraftModelProposer(draft.model, draft.arch, caches, plan.block_size,
-                                  self.attn_backend, fast)
+                                  self.attn_backend, fast, draft_head(draft.model,
+                                                                      spec.draft_vocab_size))
 
     def _draft_lengths(self, spec: SpeculativeConfig, max_num_seqs: int) -> DraftLengths:
         """Adaptive lengths weigh drafts against this machine's measured step cost (CPU; a GPU
