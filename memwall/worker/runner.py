@@ -113,9 +113,13 @@ class ModelRunner:
         step's cost is not measured here, so it drafts ``num_speculative_tokens`` always)."""
         cost = draft_cost = None
         if spec.adaptive and self.device.type == "cpu":
+            # Row counts timed: cost(n) is interpolated between them and extrapolated past the
+            # last, so the largest step (``most``) is timed too, and 17: past 16 tokens the
+            # packed panels leave their one-vpdpbusd kernel for int16 tiles, a step up in cost
+            # that a slope through 12 and 16 misses (16 sequences then verified drafts at 0.89x).
             most = max_num_seqs + spec.num_speculative_tokens
-            sizes = sorted({n for n in (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32) if n <= most}
-                           | {min(most, 1 + spec.num_speculative_tokens)})
+            sizes = sorted({n for n in (1, 2, 3, 4, 5, 6, 8, 12, 16, 17, 24, 32) if n <= most}
+                           | {most, min(most, 1 + spec.num_speculative_tokens)})
             from memwall.worker.step_shape import measure_row_costs
             cost = StepCost(measure_row_costs(self.model, tuple(sizes)))
             drafter = getattr(self.proposer, "drafting_model", None)  # a drafter's own steps
@@ -352,16 +356,23 @@ class ModelRunner:
         limit = self.spec.disable_by_batch_size
         if limit is not None and batch > limit:
             return
-        requests = []
+        candidates = []
         for request_id, sampled in out.sampled.items():
             row = self.rows.row_of.get(request_id)
             if row is None:
                 continue  # a fork child's first token: it joins the rows next step
             if request_id not in out.accepted_drafts:
                 self.draft_lengths.idle(request_id)
-            k = self.draft_lengths.choose(request_id, batch)
+            candidates.append((request_id, sampled, row))
+        # the likeliest to be accepted choose first: each prices its drafts against the rows
+        # the ones before it added to the step (adaptive.py)
+        candidates.sort(key=lambda c: -self.draft_lengths.rate(c[0]))
+        requests, drafted = [], 0
+        for request_id, sampled, row in candidates:
+            k = self.draft_lengths.choose(request_id, batch, drafted)
             if k == 0:
                 continue
+            drafted += k
             known = self.rows.token_ids[row, :self.rows.num_tokens[row]]
             new = [t.token_id for t in out.accepted_drafts.get(request_id, ())] + [sampled.token_id]
             requests.append(DraftRequest(request_id, np.concatenate([known, new]), k))

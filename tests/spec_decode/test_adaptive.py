@@ -58,6 +58,19 @@ def test_big_batches_draft_less():
     assert lengths.choose("a", batch=1) > lengths.choose("a", batch=32)
 
 
+def test_sequences_of_one_step_price_the_rows_the_others_added():
+    """Cheap rows up to 16 (the packed kernels), then a jump: alone, a sequence in a batch of
+    12 drafts 4; once others filled the step past 16 rows, the next one drafts nothing."""
+    cost = StepCost({1: 5.0, 12: 20.0, 16: 24.0, 17: 30.0, 32: 48.0})
+    lengths = DraftLengths(4, cost)
+    for rid in ("a", "b"):
+        for _ in range(5):
+            lengths.observe(rid, 4, 4)
+    assert lengths.choose("a", batch=12) == 4
+    assert lengths.choose("b", batch=12, drafted=4) == 0  # 16 rows already: the 17th costs 6
+    assert lengths.choose("b", batch=12, drafted=0) == 4
+
+
 def test_not_adaptive_always_drafts_k():
     lengths = DraftLengths(3, StepCost({1: 1.0, 2: 2.0}), adaptive=False)
     lengths.observe("a", 3, 0)
