@@ -6,7 +6,6 @@ drafter with another tokenizer is refused with a clear error."""
 from __future__ import annotations
 
 import random
-import shutil
 
 import numpy as np
 import pytest
@@ -19,28 +18,6 @@ from memwall.loader.model_loader import load_model
 from memwall.spec_decode.draft_model import DraftModelError, DraftModelProposer
 from memwall.spec_decode.proposer import DraftRequest
 from memwall.worker.kv_cache import KVCachePlan, allocate_kv_cache
-
-
-@pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def noisy_draft(target, tmp_path_factory):
-    """The target with noise on every weight: agrees with it often, not always."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(target)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.02 * p.std())
-    out = tmp_path_factory.mktemp("draft")
-    model.save_pretrained(out, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(target / name, out / name)
-    return out
 
 
 def spec(draft, k=4):

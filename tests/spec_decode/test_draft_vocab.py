@@ -6,7 +6,6 @@ measurement times the head drafts are read from, and bad sizes are refused in on
 from __future__ import annotations
 
 import random
-import shutil
 
 import numpy as np
 import pytest
@@ -19,28 +18,6 @@ from memwall.spec_decode.draft_vocab import DraftVocabError, DraftVocabHead, dra
 from memwall.spec_decode.proposer import DraftRequest
 
 CUT = 96  # of the tiny models' vocabulary: drafts below it only
-
-
-@pytest.fixture(scope="module")
-def target(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def noisy_draft(target, tmp_path_factory):
-    """The target with a little noise on every weight (as in test_draft_model.py)."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(target)
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.02 * p.std())
-    out = tmp_path_factory.mktemp("draft-vocab")
-    model.save_pretrained(out, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(target / name, out / name)
-    return out
 
 
 def prompts(count: int, seed: int) -> list[list[int]]:
