@@ -17,7 +17,12 @@ when no k gains more than MIN_GAIN tokens.
 The sequences of one step choose in turn, each against the rows the ones before it already
 added (R = B + their drafts): its k costs C(R + k) - C(R), not C(B + k) - C(B). Sixteen
 sequences that each priced their drafts as if alone made 36-80-row steps out of 16-row ones
-(c=16 serving at 0.89-0.93x of no speculation). That is what keeps speculation from making open chat slower: a sequence
+(c=16 serving at 0.89-0.93x of no speculation).
+
+What drafting really costs is also timed as it runs (``observe_drafting``: the proposer's wall
+time per drafted token, Python included); D(k) takes the larger of that and the start-up
+figure. The start-up timing covers a drafter's matmuls only: an EAGLE head's drafted token
+measured 0.24x a step there but cost more in the proposer, and chat ran at 0.90x. That is what keeps speculation from making open chat slower: a sequence
 whose drafts keep failing stops drafting. While it does not draft its estimate drifts back
 to the prior, so it tries again now and then (text changes: a chat turns to quoting code).
 
@@ -35,6 +40,7 @@ PRIOR_TRIALS = 2.0  # its weight, in draft positions
 DECAY = 0.8  # per verify: the estimate follows the last few steps
 IDLE_DECAY = 0.9  # per step without drafts: back towards the prior
 MIN_GAIN = 0.05  # tokens a step must gain for drafting to be worth its overhead
+DRAFT_TIME_DECAY = 0.9  # per proposer call: the running figure of seconds a drafted token
 
 
 class StepCost:
@@ -84,6 +90,7 @@ class DraftLengths:
         """``cost``: the target's step of n rows; ``draft_cost``: the drafter's (None: free)."""
         self.max_k, self.cost, self.adaptive = max_k, cost, adaptive and cost is not None
         self.draft_cost = draft_cost
+        self.drafting_s: float | None = None  # measured seconds per drafted token (a sequence's)
         self._estimates: dict[str, _Estimate] = {}
 
     def rate(self, request_id: str) -> float:
@@ -99,12 +106,22 @@ class DraftLengths:
         base = self.cost(rows)
         best_k, best_gain = 0, MIN_GAIN
         drafting = self.draft_cost(batch) / batch if self.draft_cost is not None else 0.0
+        if self.drafting_s is not None:
+            drafting = max(drafting, self.drafting_s)
         for k in range(1, self.max_k + 1):
             extra = self.cost(rows + k) - base + k * drafting
             gain = expected_tokens(rate, k) - 1.0 - extra * batch / base
             if gain > best_gain:
                 best_k, best_gain = k, gain
         return best_k
+
+    def observe_drafting(self, seconds: float, tokens: int) -> None:
+        """The proposer spent ``seconds`` drafting ``tokens`` tokens (all its sequences')."""
+        if tokens <= 0:
+            return
+        per_token = seconds / tokens
+        self.drafting_s = (per_token if self.drafting_s is None else
+                           DRAFT_TIME_DECAY * self.drafting_s + (1 - DRAFT_TIME_DECAY) * per_token)
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
         """A verify of ``drafted`` tokens accepted the first ``accepted`` of them."""

@@ -15,6 +15,8 @@ CUDA graphs on a GPU (memwall/worker/cuda_graphs.py) or the fused CPU decode ste
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -377,7 +379,10 @@ class ModelRunner:
             new = [t.token_id for t in out.accepted_drafts.get(request_id, ())] + [sampled.token_id]
             requests.append(DraftRequest(request_id, np.concatenate([known, new]), k))
         if requests:
+            started = time.perf_counter()
             out.draft_token_ids = self.proposer.propose(requests)
+            self.draft_lengths.observe_drafting(time.perf_counter() - started,
+                                                sum(len(d) for d in out.draft_token_ids.values()))
 
     def _sampling_row(self, request_id: str, forks: dict) -> tuple:
         """(params, prompt ids, output ids, banned ids) of one sampling row. The token lists

@@ -71,6 +71,20 @@ def test_sequences_of_one_step_price_the_rows_the_others_added():
     assert lengths.choose("b", batch=12, drafted=0) == 4
 
 
+def test_measured_drafting_time_outweighs_a_cheap_start_up_figure():
+    """The start-up timing says a drafted token costs 0.1 of a step; the proposer's measured
+    wall time says 0.5: the sequence stops drafting at a rate that paid under the first."""
+    lengths = DraftLengths(4, StepCost({1: 1.0, 8: 1.2}), draft_cost=StepCost({1: 0.1}))
+    for _ in range(5):
+        lengths.observe("a", 2, 1)  # about 0.4 accepted
+    assert lengths.choose("a", batch=1) > 0
+    lengths.observe_drafting(seconds=1.5, tokens=3)
+    assert lengths.drafting_s == 0.5
+    assert lengths.choose("a", batch=1) == 0
+    lengths.observe_drafting(seconds=0.0, tokens=0)  # nothing drafted: no change
+    assert lengths.drafting_s == 0.5
+
+
 def test_not_adaptive_always_drafts_k():
     lengths = DraftLengths(3, StepCost({1: 1.0, 2: 2.0}), adaptive=False)
     lengths.observe("a", 3, 0)
