@@ -19,9 +19,10 @@ added (R = B + their drafts): its k costs C(R + k) - C(R), not C(B + k) - C(B). 
 sequences that each priced their drafts as if alone made 36-80-row steps out of 16-row ones
 (c=16 serving at 0.89-0.93x of no speculation).
 
-What drafting really costs is also timed as it runs (``observe_drafting``: the proposer's wall
-time per drafted token, Python included); D(k) takes the larger of that and the start-up
-figure. The start-up timing covers a drafter's matmuls only: an EAGLE head's drafted token
+What a drafter with a model of its own really costs is also timed as it runs
+(``observe_drafting``: the proposer's wall time per drafted token, Python included); D(k) takes
+the larger of that and the start-up figure. Prompt lookup stays free: its lookups take
+microseconds, and on a tiny model they would be weighed against a step timed without Python. The start-up timing covers a drafter's matmuls only: an EAGLE head's drafted token
 measured 0.24x a step there but cost more in the proposer, and chat ran at 0.90x. That is what keeps speculation from making open chat slower: a sequence
 whose drafts keep failing stops drafting. While it does not draft its estimate drifts back
 to the prior, so it tries again now and then (text changes: a chat turns to quoting code).

@@ -381,8 +381,10 @@ class ModelRunner:
         if requests:
             started = time.perf_counter()
             out.draft_token_ids = self.proposer.propose(requests)
-            self.draft_lengths.observe_drafting(time.perf_counter() - started,
-                                                sum(len(d) for d in out.draft_token_ids.values()))
+            if getattr(self.proposer, "drafting_model", None) is not None:  # not prompt lookup
+                self.draft_lengths.observe_drafting(
+                    time.perf_counter() - started,
+                    sum(len(d) for d in out.draft_token_ids.values()))
 
     def _sampling_row(self, request_id: str, forks: dict) -> tuple:
         """(params, prompt ids, output ids, banned ids) of one sampling row. The token lists
