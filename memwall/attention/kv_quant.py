@@ -66,7 +66,7 @@ def bytes_per_token_head(dtype: torch.dtype, head_dim: int) -> int:
     """What one token's K (or V) of one KV head costs, scales included."""
     elem = torch.empty((), dtype=dtype).element_size()
     scale = torch.empty((), dtype=SCALE_DTYPE).element_size() if has_scales(dtype) else 0
-    return head_dim * elem + scale * (groups(head_dim) if scale else 0)
+    return head_dim * elem + scale * groups(head_dim)
 
 
 def scales_shape(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -12,7 +12,10 @@ the step's current rate of B / C(B) tokens per second, the extra time would have
 where D(k) is what drafting costs the sequence: nothing for prompt lookup; for a draft model,
 k of its steps, each the drafter's measured time for a step of B rows shared by the B
 sequences (D(k) = k * Cd(B) / B). The sequence drafts the k with the largest gain, or nothing
-when no k gains more than MIN_GAIN tokens.
+when no k gains more than MIN_GAIN tokens. That is what keeps speculation from making open
+chat slower: a sequence whose drafts keep failing stops drafting. While it does not draft its
+estimate drifts back to the prior, so it tries again now and then (text changes: a chat turns
+to quoting code).
 
 The sequences of one step choose in turn, each against the rows the ones before it already
 added (R = B + their drafts): its k costs C(R + k) - C(R), not C(B + k) - C(B). Sixteen
@@ -21,11 +24,10 @@ sequences that each priced their drafts as if alone made 36-80-row steps out of 
 
 What a drafter with a model of its own really costs is also timed as it runs
 (``observe_drafting``: the proposer's wall time per drafted token, Python included); D(k) takes
-the larger of that and the start-up figure. Prompt lookup stays free: its lookups take
-microseconds, and on a tiny model they would be weighed against a step timed without Python. The start-up timing covers a drafter's matmuls only: an EAGLE head's drafted token
-measured 0.24x a step there but cost more in the proposer, and chat ran at 0.90x. That is what keeps speculation from making open chat slower: a sequence
-whose drafts keep failing stops drafting. While it does not draft its estimate drifts back
-to the prior, so it tries again now and then (text changes: a chat turns to quoting code).
+the larger of that and the start-up figure, which covers the drafter's matmuls only (an EAGLE
+head's drafted token measured 0.24x a step there but cost more in the proposer, and chat ran
+at 0.90x). Prompt lookup stays free (no ``draft_cost``): its lookups take microseconds, and on
+a tiny model they would be weighed against a step timed without Python.
 
 The estimate is the maximum-likelihood one for that model, over decayed counts: every draft
 position examined is a trial (accepted ones, plus the first rejected one if any).
@@ -117,8 +119,9 @@ class DraftLengths:
         return best_k
 
     def observe_drafting(self, seconds: float, tokens: int) -> None:
-        """The proposer spent ``seconds`` drafting ``tokens`` tokens (all its sequences')."""
-        if tokens <= 0:
+        """The proposer spent ``seconds`` drafting ``tokens`` tokens (all its sequences'); a
+        free drafter (no ``draft_cost``: prompt lookup) keeps counting as free."""
+        if tokens <= 0 or self.draft_cost is None:
             return
         per_token = seconds / tokens
         self.drafting_s = (per_token if self.drafting_s is None else

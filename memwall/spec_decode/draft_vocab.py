@@ -42,14 +42,13 @@ class DraftVocabHead(nn.Module):
             self.rows = take_rows(lm_head, rows)
         except ShardError as e:
             raise DraftVocabError(f"draft_vocab_size: the LM head cannot be cut ({e})") from None
-        self.size, self.vocab = size, vocab
         if rows.device.type == "cpu":
             from memwall.quant.packing import pack_model
             pack_model(self)
 
     @property
     def out_features(self) -> int:
-        return self.size
+        return self.rows.out_features
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.rows(hidden).float()  # [n, size]: ids 0 .. size - 1

@@ -87,9 +87,9 @@ class ModelRunner:
 
     def _make_proposer(self, spec: SpeculativeConfig, draft: LoadedModel | None,
                        plan: KVCachePlan, dtype: torch.dtype) -> Proposer:
+        from memwall.spec_decode.draft_vocab import draft_head
         if spec.method == "eagle":
             from memwall.spec_decode.eagle import EagleProposer, load_eagle_head
-            from memwall.spec_decode.draft_vocab import draft_head
             head = load_eagle_head(spec.model, self.arch).to(self.device)
             caches = allocate_kv_cache(head.config, plan, dtype, self.device)
             return EagleProposer(head, self.model, caches, plan.block_size, self.attn_backend,
@@ -99,7 +99,6 @@ class ModelRunner:
         if draft is None:
             raise ValueError("the draft_model method needs its model loaded (Worker.load_model)")
         from memwall.spec_decode.draft_model import DraftModelProposer
-        from memwall.spec_decode.draft_vocab import draft_head
         # as many tokens of draft KV as the target's pool holds: every sequence can draft
         caches = allocate_kv_cache(draft.arch, plan, dtype, self.device)
         fast = None
@@ -381,10 +380,8 @@ class ModelRunner:
         if requests:
             started = time.perf_counter()
             out.draft_token_ids = self.proposer.propose(requests)
-            if getattr(self.proposer, "drafting_model", None) is not None:  # not prompt lookup
-                self.draft_lengths.observe_drafting(
-                    time.perf_counter() - started,
-                    sum(len(d) for d in out.draft_token_ids.values()))
+            self.draft_lengths.observe_drafting(time.perf_counter() - started,
+                                                sum(len(d) for d in out.draft_token_ids.values()))
 
     def _sampling_row(self, request_id: str, forks: dict) -> tuple:
         """(params, prompt ids, output ids, banned ids) of one sampling row. The token lists

@@ -83,6 +83,9 @@ def test_measured_drafting_time_outweighs_a_cheap_start_up_figure():
     assert lengths.choose("a", batch=1) == 0
     lengths.observe_drafting(seconds=0.0, tokens=0)  # nothing drafted: no change
     assert lengths.drafting_s == 0.5
+    free = DraftLengths(4, StepCost({1: 1.0, 8: 1.2}))  # prompt lookup: no drafter to time
+    free.observe_drafting(seconds=1.5, tokens=3)
+    assert free.drafting_s is None
 
 
 def test_not_adaptive_always_drafts_k():
