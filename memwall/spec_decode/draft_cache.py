@@ -41,18 +41,34 @@ class DraftCache:
     def release(self, request_id: str) -> None:
         self.free.extend(reversed(self.blocks.pop(request_id, [])))
 
-    def metadata(self, backend, spans: list[tuple[str, int, int]]) -> AttentionMetadata:
+    def metadata(self, backend, spans: list[tuple[str, int, int]],
+                 as_rows: bool = False) -> AttentionMetadata:
         """A step in which each sequence (request id, first entry, count) writes entries
-        first .. first + count - 1 and attends to its entries 0 .. first + count - 1."""
+        first .. first + count - 1 and attends to its entries 0 .. first + count - 1.
+
+        ``as_rows``: each entry a one-token row instead (row j of a sequence as long as its
+        entries through j, all its rows sharing its blocks), the layout in which the target
+        verifies drafts (input_batch._verify_as_rows): a step of a few entries a sequence is
+        then a decode step, which the fused CPU step takes (a sequence whose drafts were all
+        accepted feeds its last draft and the sampled token; as a two-token prefill that went
+        through the model's per-layer Python instead)."""
         bs = self.block_size
-        query_lens = np.array([count for _, _, count in spans], dtype=np.int64)
-        seq_lens = np.array([first + count for _, first, count in spans], dtype=np.int64)
+        counts = np.array([count for _, _, count in spans], dtype=np.int64)
+        ends = np.array([first + count for _, first, count in spans], dtype=np.int64)
         tables = np.zeros((len(spans), max(len(self.blocks[r]) for r, _, _ in spans)), dtype=np.int64)
         slots = []
         for row, (request_id, first, count) in enumerate(spans):
             blocks = self.blocks[request_id]
             tables[row, :len(blocks)] = blocks
             slots.extend(blocks[e // bs] * bs + e % bs for e in range(first, first + count))
+        if as_rows:
+            seq_of_row = np.repeat(np.arange(len(spans)), counts)
+            within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+            query_lens = np.ones(len(seq_of_row), dtype=np.int64)
+            seq_lens = (ends - counts)[seq_of_row] + within + 1
+            tables = tables[seq_of_row]
+        else:
+            query_lens, seq_lens = counts, ends
         dev = self.device
         return backend.build_metadata(query_lens, seq_lens, torch.from_numpy(tables).to(dev),
                                       torch.tensor(slots, dtype=torch.long, device=dev), bs)

@@ -30,6 +30,11 @@ from memwall.spec_decode.draft_cache import DraftCache
 from memwall.spec_decode.proposer import DraftRequest, Proposer
 
 
+ROWS_AS_DECODE = 17
+"""Most new tokens of a sequence a drafter step feeds as one-token rows (1 + the most drafts a
+step verifies, as the native attention's runs); more (a prompt) go the prefill way."""
+
+
 class DraftModelError(ValueError):
     """The draft model cannot serve this target (one line, for users)."""
 
@@ -111,7 +116,10 @@ class DraftModelProposer(Proposer):
         """Feeds each sequence its new tokens (appending them to its cache) and returns the
         greedy next token of each."""
         spans = [(rid, len(self.tokens[rid]), len(new)) for rid, new in zip(request_ids, inputs)]
-        attn = self.cache.metadata(self.backend, spans)
+        # a few tokens a sequence (its last draft and the sampled token, after a verify that
+        # accepted every draft) as one-token rows: the fused decode step, not the model's forward
+        as_rows = self.fast_path is not None and max(len(new) for new in inputs) <= ROWS_AS_DECODE
+        attn = self.cache.metadata(self.backend, spans, as_rows=as_rows)
         dev = self.cache.device
         input_ids = torch.tensor([t for new in inputs for t in new], dtype=torch.long, device=dev)
         positions = torch.tensor([e for _, first, count in spans for e in range(first, first + count)],

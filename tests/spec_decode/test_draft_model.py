@@ -17,6 +17,7 @@ from memwall.attention.backend import choose as choose_backend, get_backend
 from memwall.loader.model_loader import load_model
 from memwall.spec_decode.draft_model import DraftModelError, DraftModelProposer
 from memwall.spec_decode.proposer import DraftRequest
+from memwall.worker.cpu_decode import FusedCpuDecode
 from memwall.worker.kv_cache import KVCachePlan, allocate_kv_cache
 
 
@@ -35,12 +36,14 @@ def loaded_draft(noisy_draft):
     return load_model(str(noisy_draft))
 
 
-def make_proposer(loaded, num_blocks=64, block_size=4) -> DraftModelProposer:
-    """A drafter with a fresh cache of its own over the (shared, read-only) loaded model."""
+def make_proposer(loaded, num_blocks=64, block_size=4, fused=False) -> DraftModelProposer:
+    """A drafter with a fresh cache of its own over the (shared, read-only) loaded model;
+    ``fused``: with the fused CPU decode step over that cache, as the worker builds it."""
     plan = KVCachePlan(num_blocks, block_size, 0)
     caches = allocate_kv_cache(loaded.arch, plan, torch.float32)
+    fast_path = FusedCpuDecode.build(loaded.model, caches) if fused else None
     return DraftModelProposer(loaded.model, loaded.arch, caches, block_size,
-                              get_backend(choose_backend("cpu")))
+                              get_backend(choose_backend("cpu")), fast_path=fast_path)
 
 
 def cached_kv(proposer: DraftModelProposer, request_id: str) -> tuple[list[int], torch.Tensor]:
@@ -82,6 +85,44 @@ def test_a_long_lived_drafter_drafts_what_a_fresh_one_would(loaded_draft):
             seqs[rid] = seqs[rid][:cut] + [rng.randrange(4, 380) for _ in range(rng.randrange(1, 12))]
     lived.forget(list(seqs))
     assert lived.num_free_blocks == 512
+
+
+def test_a_few_new_tokens_a_sequence_take_the_fused_decode_step(loaded_draft):
+    """After a verify that accepted every draft the drafter feeds two tokens (its last draft,
+    then the sampled one): as one-token rows of the sequence they go through the fused decode
+    step, as the target's verification does, not the model's per-layer forward; the drafts are
+    a fresh drafter's, and the cache holds the keys that drafter computes."""
+    lived = make_proposer(loaded_draft, num_blocks=128, fused=True)
+    if lived.fast_path is None:
+        pytest.skip("no fused CPU decode step here (no C compiler)")
+    calls = {"model": 0, "fused": 0}
+    model, run = lived.model, lived.fast_path.run
+
+    def counting_model(*args, **kwargs):
+        calls["model"] += 1
+        return model(*args, **kwargs)
+
+    def counting_run(*args, **kwargs):
+        calls["fused"] += 1
+        return run(*args, **kwargs)
+
+    lived.model, lived.fast_path.run = counting_model, counting_run
+    tokens = [random.Random(11).randrange(4, 380) for _ in range(40)]  # a 40-token prompt
+    drafts = lived.propose([DraftRequest("a", np.array(tokens), 4)])["a"]
+    assert calls == {"model": 1, "fused": 3}  # the prompt, then one token a forward
+    for extra in ([], [9, 10, 11]):  # every draft accepted, then rows past one block
+        tokens = tokens + drafts + extra + [7]
+        calls.update(model=0, fused=0)
+        drafts = lived.propose([DraftRequest("a", np.array(tokens), 4)])["a"]
+        assert calls == {"model": 0, "fused": 4}
+        fresh = make_proposer(loaded_draft, num_blocks=128)
+        assert drafts == fresh.propose([DraftRequest("a", np.array(tokens), 4)])["a"]
+        lived_tokens, lived_keys = cached_kv(lived, "a")
+        fresh_tokens, fresh_keys = cached_kv(fresh, "a")
+        assert lived_tokens == fresh_tokens == tokens + drafts[:-1]
+        torch.testing.assert_close(lived_keys, fresh_keys, rtol=0, atol=1e-4)
+    lived.forget(["a"])
+    assert lived.num_free_blocks == 128
 
 
 def test_a_full_pool_skips_drafting_and_frees_its_blocks(loaded_draft):
