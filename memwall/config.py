@@ -230,6 +230,10 @@ class SpeculativeConfig:
     draft_vocab_size: int | None = None
     """draft_model / eagle: draft only token ids below this (EAGLE-3's name): the drafter's LM
     head computes that many rows, not the whole vocabulary (memwall/spec_decode/draft_vocab.py)."""
+    requantize: str | None = None
+    """draft_model with a GGUF drafter: "q4_1" (or "q4_0") rounds the drafter's weights that
+    memory keeps a byte a code (Q5_0, Q8_0, Q6_K...) to that 4-bit type at load, so a drafted
+    token reads ~0.6x the bytes. Lossy for the drafts only: the target verifies every one."""
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -253,6 +257,13 @@ class SpeculativeConfig:
                     or self.draft_vocab_size < 1:
                 raise ValueError(f"draft_vocab_size must be a positive integer, got "
                                  f"{self.draft_vocab_size!r}")
+
+        if self.requantize is not None:
+            if self.method != "draft_model":
+                raise ValueError("requantize applies to the draft_model method (a GGUF drafter's "
+                                 "weights)")
+            if self.requantize not in ("q4_0", "q4_1"):
+                raise ValueError(f"requantize must be q4_0 or q4_1, got {self.requantize!r}")
 
     @classmethod
     def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -436,7 +447,7 @@ class EngineArgs:
         None, "speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", "
               "\"num_speculative_tokens\": 4}' (keys: method, num_speculative_tokens, "
               "prompt_lookup_max, prompt_lookup_min, model, disable_by_batch_size, adaptive, "
-              "draft_vocab_size)")
+              "draft_vocab_size, requantize)")
     structured_outputs_backend: str = _arg(
         "llguidance", "grammar backend for structured outputs (JSON schema, regex, choice, "
                       "grammar): llguidance, or xgrammar (pip install xgrammar)")

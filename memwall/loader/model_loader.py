@@ -61,8 +61,8 @@ def load_model(model: str | os.PathLike | None, dtype: str = "float32",
                tokenizer_path: str | None = None, progress: bool = False,
                quantization: str = "auto",
                part: "Callable[[ModelArchConfig], Callable[[str], bool]] | None" = None,
-               tensor_parallel: "Callable[[ModelArchConfig, int], ShardLayout] | None" = None
-               ) -> LoadedModel:
+               tensor_parallel: "Callable[[ModelArchConfig, int], ShardLayout] | None" = None,
+               requantize: str | None = None) -> LoadedModel:
     """``quantization``: "auto" keeps a GGUF file's quantized weights quantized in memory (a
     float checkpoint stays float); "none" dequantizes everything to ``dtype``; "int8"/"int4"
     also quantize the float Linear weights at load time (memwall/quant). ``part(arch)``: which
@@ -72,7 +72,10 @@ def load_model(model: str | os.PathLike | None, dtype: str = "float32",
     projection's inputs may be cut); the model is built at the rank's shapes and each tensor
     read only in the rank's slice (``net.tp_layout`` says which, for ``shard_model``). Formats
     whose slices cannot be read exactly (load-time int8/int4, AWQ/GPTQ/FP8 checkpoints) load
-    whole, and ``shard_model`` cuts them after."""
+    whole, and ``shard_model`` cuts them after. ``requantize`` ("q4_0" or "q4_1", a GGUF file
+    only, not with ``tensor_parallel``): the weights kept a byte a code in memory (Q5_0, Q8_0,
+    Q6_K...) are rounded to that 4-bit type at load (gguf_repack.requantize_to_q4): lossy, for
+    a drafter whose tokens the target verifies."""
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"unknown quantization {quantization!r}; use one of "
                              f"{', '.join(QUANTIZATIONS)}")
@@ -81,9 +84,16 @@ def load_model(model: str | os.PathLike | None, dtype: str = "float32",
         torch_dtype = DTYPES[dtype]
         if quantization in ("int8", "int4"):
             tensor_parallel = None  # quantized from whole rows: cut after (shard_model)
+        if requantize is not None:
+            if not path.is_file():
+                raise ModelLoadError(f"requantize applies to a GGUF file's weights; {path} is "
+                                     "not a GGUF file")
+            if quantization != "auto" or tensor_parallel is not None:
+                raise ModelLoadError("requantize needs quantization 'auto' (the file's quantized "
+                                     "weights kept) and the whole model in one process")
         if path.is_file():
             arch, tensors, tokenizer, count, packed, layout = _open_gguf(
-                path, torch_dtype, quantization, part, tensor_parallel)
+                path, torch_dtype, quantization, part, tensor_parallel, requantize)
         else:
             arch, tensors, tokenizer, count, packed, layout = _open_hf_dir(
                 path, torch_dtype, quantization, part, tensor_parallel)
@@ -219,7 +229,8 @@ class _Skip:
         return name in self.quantized or (self.wanted is not None and not self.wanted(name))
 
 
-def _open_gguf(path: Path, dtype: torch.dtype, quantization: str, part=None, tensor_parallel=None):
+def _open_gguf(path: Path, dtype: torch.dtype, quantization: str, part=None, tensor_parallel=None,
+               requantize: str | None = None):
     from memwall.loader.gguf_loader import (gguf_hf_config, hf_tensor_name, iter_gguf_tensors,
                                             open_gguf)
 
@@ -235,8 +246,12 @@ def _open_gguf(path: Path, dtype: torch.dtype, quantization: str, part=None, ten
     slice_of = layout.slice_of if layout is not None else None
     packed = {}
     if quantization != "none":  # quantized Linears, and the embedding when it can stay quantized
-        from memwall.quant.gguf_repack import gguf_quantized_linears
-        packed = gguf_quantized_linears(reader, hf_cfg, wanted=wanted, slice_of=slice_of)
+        from memwall.quant.gguf_repack import REQUANTIZE_TYPES, gguf_quantized_linears
+        if requantize is not None and requantize not in REQUANTIZE_TYPES:
+            raise ModelLoadError(f"requantize must be one of {', '.join(REQUANTIZE_TYPES)}, "
+                                 f"got {requantize!r}")
+        packed = gguf_quantized_linears(reader, hf_cfg, wanted=wanted, slice_of=slice_of,
+                                        requantize=REQUANTIZE_TYPES.get(requantize))
     skip = _Skip({f"{module}.weight" for module in packed}, wanted)
     tensors = iter_gguf_tensors(reader, hf_cfg, dtype, skip=skip, slice_of=slice_of)
     names = [hf_tensor_name(t.name) for t in reader.tensors]

@@ -135,7 +135,8 @@ class Worker:
 
         dev = self.device_config
         draft = load_model(spec.model, dev.dtype, progress=self.args.show_progress,
-                           quantization=loader_quantization(self.args.quantization))
+                           quantization=loader_quantization(self.args.quantization),
+                           requantize=spec.requantize)
         check_tokenizers(self.loaded.tokenizer, draft.tokenizer, draft.name)
         self.draft = dataclasses.replace(draft, model=place_model(draft.model, dev,
                                                                   self.args.quantization))

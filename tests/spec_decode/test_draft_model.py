@@ -184,3 +184,32 @@ def test_temperature_sampling_keeps_the_distribution(target, noisy_draft):
 def test_another_tokenizer_is_refused_with_a_clear_error(target, gguf_path):
     with pytest.raises(DraftModelError, match="needs the target's tokenizer"):
         LLM(str(target), speculative_config=spec(gguf_path))
+
+
+def test_a_requantized_drafter_keeps_greedy_output_and_drafts_from_4_bit_weights(gguf_path):
+    """``"requantize": "q4_1"``: the drafter's byte-a-code weights (the embedded model's tied
+    Q8_0 embedding, which its LM head reads) become Q4_1; its drafts change, the output does not."""
+    ps = [[1, 9, 40, 300, 77] * k for k in (1, 3, 8)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(str(gguf_path), num_kv_blocks=128).generate(ps, params)
+    config = {**spec(gguf_path), "requantize": "q4_1"}
+    llm = LLM(str(gguf_path), speculative_config=config, num_kv_blocks=128)
+    out = llm.generate(ps, params)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+    worker = llm.engine.core.executor.worker
+    assert worker.draft.model.lm_head.source == "gguf Q4_1"
+    assert worker.loaded.model.lm_head.source == "gguf Q8_0"  # the target's own stays
+    stats = llm.engine.core.scheduler.stats
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
+    assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "ngram", "requantize": "q4_1"}, "requantize applies to the draft_model method"),
+    ({"method": "draft_model", "model": "x.gguf", "requantize": "int4"}, "q4_0 or q4_1"),
+])
+def test_requantize_is_checked_in_the_config(config, message):
+    from memwall.config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(config)
