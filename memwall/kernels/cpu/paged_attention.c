@@ -523,9 +523,10 @@ int mw_check_tables(const int64_t* block_tables, int64_t table_width, const int6
  * So are the rows of a verification run (speculative decoding puts the k + 1 tokens of one
  * sequence in as rows with its block table and lengths len, len + 1, ...): their query heads
  * attend together, each up to its own position, and the run reads its KV once, not k + 1 times.
- * Work items are (run, key range), its KV heads in turn: contexts longer than SPLIT_KEYS are
- * split into ranges of SPLIT_KEYS keys, threads take them, and the ranges' partial softmax sums
- * are merged in order (flash-decoding's split-K). A slot's KV heads lie side by side, so the
+ * Work items are (run, key range), its KV heads in turn (one KV head an item where runs x
+ * ranges are fewer than the threads): contexts longer than SPLIT_KEYS are split into
+ * ranges of SPLIT_KEYS keys, threads take them, and the ranges' partial softmax sums are merged
+ * in order (flash-decoding's split-K). A slot's KV heads lie side by side, so the
  * first head's pass prefetches every head's rows: DRAM is read in whole stretches of a block
  * and the other heads' passes find their rows in this core's cache (items were (run, KV head,
  * range), each reading a third of every slot's lines). With max_f32: B = 16, fp16, 30 layers on
@@ -580,6 +581,10 @@ int mw_paged_attention_run(const float* q, const void* k_cache, const void* v_ca
         run_first[runs] = b, run_rows[runs] = r, runs++;
         b += r;
     }
+    /* a sequence's KV heads go in one item where there are items enough for the threads;
+       else one head an item (one short sequence alone would otherwise keep one thread busy) */
+    const int64_t heads_per_item = runs * splits >= (int64_t)omp_get_max_threads() ? Hkv : 1;
+    const int64_t head_groups = Hkv / heads_per_item;
     int failed = 0;  /* set when a thread could not get its scratch (then out is not valid) */
     #pragma omp parallel
     {
@@ -599,9 +604,10 @@ int mw_paged_attention_run(const float* q, const void* k_cache, const void* v_ca
         }
         float *o = qs + G * D, *ml = o + G * D;
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < runs * splits; it++) {
-            const int64_t run = it / splits, sp = it % splits;
-            for (int64_t h = 0; h < Hkv; h++) {
+        for (int64_t it = 0; it < runs * splits * head_groups; it++) {
+            const int64_t run = it / (splits * head_groups), sp = (it / head_groups) % splits;
+            const int64_t h0 = (it % head_groups) * heads_per_item;
+            for (int64_t h = h0; h < h0 + heads_per_item; h++) {
                 if (!ready) continue;
                 const int64_t b0 = run_first[run], r = run_rows[run];
                 const int64_t last = seq_lens[b0 + r - 1];
@@ -632,13 +638,14 @@ int mw_paged_attention_run(const float* q, const void* k_cache, const void* v_ca
                 }
                 /* the last row's table: every row's blocks are a prefix of it (continues_run) */
                 const int64_t* table = block_tables + (b0 + r - 1) * table_width;
-                /* the first head's pass asks for the keys' and values' rows of every KV head (a
-                   slot's heads lie side by side): the passes of the others then find them in this
-                   core's cache, and DRAM is read in whole runs of a block, not a head's 1/Hkv */
+                /* an item of all the heads: the first head's pass asks for the keys' and values'
+                   rows of every KV head (a slot's heads lie side by side), the passes of the
+                   others then find them in this core's cache, and DRAM is read in whole runs of
+                   a block, not a head's 1/Hkv */
                 const int64_t row_bytes = D * kv_elem_size(kv_type);
                 attend(qs, live * group, D, k_cache, v_cache, k_scales, v_scales, kv_type, table,
                        block_size, Hkv, h, t0, t1, limit, scale, scores, rows, scores + G * span, o,
-                       ml, ml + G, h == 0 ? Hkv * row_bytes : row_bytes);
+                       ml, ml + G, heads_per_item > 1 && h == 0 ? Hkv * row_bytes : row_bytes);
                 for (int64_t i = 0, k = 0; i < r; i++) {
                     const int64_t len = seq_lens[b0 + i];
                     if (whole) {  /* one range: normalized in place */
