@@ -133,7 +133,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     is "madvise" (Ubuntu's default, and these VMs') each first write to a 2 MiB region then
     stalls on a huge-page fault with direct compaction. Measured on a 2-core EPYC: a 16-sequence
     decode step spent 4.7 ms writing its new K/V rows (0.9 ms in small pages), 13% of the step
-    (benchmarks/results/README: session 24).
+    (README, session 24).
     """
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=_storage_dtype(dtype), device=device).view(dtype)
