@@ -18,6 +18,25 @@ import numpy as np
 import torch
 
 
+def one_token_rows(expand: np.ndarray, query_lens: np.ndarray, start: np.ndarray,
+                   seq_lens: np.ndarray, tables: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Attention's view of a step in which each sequence with ``expand`` set becomes one
+    single-token row per token, row j as long as the sequence through its token j, all sharing
+    the sequence's blocks (each row's KV is written before any row attends, so row j sees tokens
+    0..j of this step); the others stay one row of ``query_lens`` tokens. The one-token kernels
+    (the fused CPU decode step) then take the expanded rows: the target verifying drafts
+    (worker/input_batch.py), a drafter feeding a few tokens (spec_decode/draft_cache.py).
+    ``start``: each sequence's length before this step. -> (query_lens, seq_lens, tables) a row."""
+    counts = np.where(expand, query_lens, 1)  # attention rows per sequence
+    seq_of_row = np.repeat(np.arange(len(query_lens)), counts)
+    offset = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    expanded = expand[seq_of_row]
+    row_query = np.where(expanded, 1, query_lens[seq_of_row])
+    row_seq = np.where(expanded, start[seq_of_row] + offset + 1, seq_lens[seq_of_row])
+    return row_query, row_seq, tables[seq_of_row]
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from memwall.attention.metadata import AttentionMetadata
+from memwall.attention.metadata import AttentionMetadata, one_token_rows
 
 
 class DraftCache:
@@ -46,12 +46,11 @@ class DraftCache:
         """A step in which each sequence (request id, first entry, count) writes entries
         first .. first + count - 1 and attends to its entries 0 .. first + count - 1.
 
-        ``as_rows``: each entry a one-token row instead (row j of a sequence as long as its
-        entries through j, all its rows sharing its blocks), the layout in which the target
-        verifies drafts (input_batch._verify_as_rows): a step of a few entries a sequence is
-        then a decode step, which the fused CPU step takes (a sequence whose drafts were all
-        accepted feeds its last draft and the sampled token; as a two-token prefill that went
-        through the model's per-layer Python instead)."""
+        ``as_rows``: each entry a one-token row instead (attention.metadata.one_token_rows, the
+        layout in which the target verifies drafts): a step of a few entries a sequence is then
+        a decode step, which the fused CPU step takes (a sequence whose drafts were all accepted
+        feeds its last draft and the sampled token; as a two-token prefill that went through the
+        model's per-layer Python instead)."""
         bs = self.block_size
         counts = np.array([count for _, _, count in spans], dtype=np.int64)
         ends = np.array([first + count for _, first, count in spans], dtype=np.int64)
@@ -62,11 +61,8 @@ class DraftCache:
             tables[row, :len(blocks)] = blocks
             slots.extend(blocks[e // bs] * bs + e % bs for e in range(first, first + count))
         if as_rows:
-            seq_of_row = np.repeat(np.arange(len(spans)), counts)
-            within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-            query_lens = np.ones(len(seq_of_row), dtype=np.int64)
-            seq_lens = (ends - counts)[seq_of_row] + within + 1
-            tables = tables[seq_of_row]
+            query_lens, seq_lens, tables = one_token_rows(np.ones(len(spans), dtype=bool), counts,
+                                                          ends - counts, ends, tables)
         else:
             query_lens, seq_lens = counts, ends
         dev = self.device

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from memwall.attention.metadata import one_token_rows
 from memwall.core.step import CachedRequestData, NewRequestData, SchedulerOutput
 from memwall.sampling_params import SamplingParams
 
@@ -258,7 +259,7 @@ class StepInputs:
                 verify.append(VerifyRows(ids[i], list(range(first, len(logit_index))),
                                          sched.spec_token_ids[ids[i]]))
         attn_query, attn_seq, attn_tables = (query_lens, seq_lens, tables) if spec is None else (
-            _verify_as_rows(spec, query_lens, start, seq_lens, tables))
+            one_token_rows(spec > 0, query_lens, start, seq_lens, tables))
         inputs = cls(_upload(input_ids, device), _upload(positions, device), _upload(slots, device),
                      attn_query, attn_seq, _upload(attn_tables, device), logit_index, sampling,
                      verify=verify)
@@ -291,21 +292,6 @@ def _num_drafts(sched: SchedulerOutput, ids: list[str]) -> np.ndarray | None:
     if not sched.spec_token_ids:
         return None
     return np.fromiter((len(sched.spec_token_ids.get(i, ())) for i in ids), np.int64, len(ids))
-
-
-def _verify_as_rows(spec: np.ndarray, query_lens: np.ndarray, start: np.ndarray,
-                    seq_lens: np.ndarray, tables: np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Attention's view: each sequence with drafts becomes one single-token row per token,
-    row j as long as the sequence through its token j, all sharing the sequence's blocks (each
-    row's KV is written before any row attends, so row j sees tokens 0..j of this step)."""
-    counts = np.where(spec > 0, query_lens, 1)  # attention rows per sequence
-    seq_of_row = np.repeat(np.arange(len(query_lens)), counts)
-    offset = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    expanded = (spec > 0)[seq_of_row]
-    row_query = np.where(expanded, 1, query_lens[seq_of_row])
-    row_seq = np.where(expanded, start[seq_of_row] + offset + 1, seq_lens[seq_of_row])
-    return row_query, row_seq, tables[seq_of_row]
 
 
 def _with_forks(sched: SchedulerOutput, sampling_ids: list[str],

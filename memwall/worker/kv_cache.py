@@ -139,7 +139,6 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
         return torch.zeros(shape, dtype=_storage_dtype(dtype), device=device).view(dtype)
     elem = torch.empty((), dtype=dtype).element_size()
     nbytes = math.prod(shape) * elem
-    storage = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[elem]
     if nbytes == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):
         raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32}[elem])
         return torch.from_numpy(raw).view(dtype)
@@ -147,4 +146,5 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     if hasattr(mmap, "MADV_NOHUGEPAGE"):  # also where THP is "always"
         region.madvise(mmap.MADV_NOHUGEPAGE)
     # the tensor holds a reference to the mapping: it lives as long as the cache does
+    storage = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[elem]
     return torch.frombuffer(region, dtype=storage).view(shape).view(dtype)

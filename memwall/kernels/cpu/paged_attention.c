@@ -584,7 +584,7 @@ int mw_paged_attention_run(const float* q, const void* k_cache, const void* v_ca
     /* a sequence's KV heads go in one item where there are items enough for the threads;
        else one head an item (one short sequence alone would otherwise keep one thread busy) */
     const int64_t heads_per_item = runs * splits >= (int64_t)omp_get_max_threads() ? Hkv : 1;
-    const int64_t head_groups = Hkv / heads_per_item;
+    const int64_t head_groups = Hkv / heads_per_item, row_bytes = D * kv_elem_size(kv_type);
     int failed = 0;  /* set when a thread could not get its scratch (then out is not valid) */
     #pragma omp parallel
     {
@@ -642,7 +642,6 @@ int mw_paged_attention_run(const float* q, const void* k_cache, const void* v_ca
                    rows of every KV head (a slot's heads lie side by side), the passes of the
                    others then find them in this core's cache, and DRAM is read in whole runs of
                    a block, not a head's 1/Hkv */
-                const int64_t row_bytes = D * kv_elem_size(kv_type);
                 attend(qs, live * group, D, k_cache, v_cache, k_scales, v_scales, kv_type, table,
                        block_size, Hkv, h, t0, t1, limit, scale, scores, rows, scores + G * span, o,
                        ml, ml + G, heads_per_item > 1 && h == 0 ? Hkv * row_bytes : row_bytes);
