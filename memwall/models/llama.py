@@ -189,17 +189,23 @@ class LlamaForCausalLM(nn.Module):
         """q/k/v and gate/up become one matmul each: fewer, larger kernels per layer, which is
         what a decode step (one token, bandwidth bound, dispatch heavy) wants. Works on float
         Linears and on quantized ones (memwall/quant joins their packed rows)."""
-        from memwall.quant.transform import concat_quantized
         for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_proj = (_concat_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-                             or concat_quantized([attn.q_proj, attn.k_proj, attn.v_proj]))
-            mlp.gate_up_proj = (_concat_linears([mlp.gate_proj, mlp.up_proj])
-                                or concat_quantized([mlp.gate_proj, mlp.up_proj]))
-            if attn.qkv_proj is not None:
-                del attn.q_proj, attn.k_proj, attn.v_proj
-            if mlp.gate_up_proj is not None:
-                del mlp.gate_proj, mlp.up_proj
+            fuse_layer_projections(layer)
+
+
+def fuse_layer_projections(layer: "DecoderLayer") -> None:
+    """One decoder layer's q/k/v and gate/up as one matmul each (``fuse_projections``; an
+    EAGLE head's layer too)."""
+    from memwall.quant.transform import concat_quantized
+    attn, mlp = layer.self_attn, layer.mlp
+    attn.qkv_proj = (_concat_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+                     or concat_quantized([attn.q_proj, attn.k_proj, attn.v_proj]))
+    mlp.gate_up_proj = (_concat_linears([mlp.gate_proj, mlp.up_proj])
+                        or concat_quantized([mlp.gate_proj, mlp.up_proj]))
+    if attn.qkv_proj is not None:
+        del attn.q_proj, attn.k_proj, attn.v_proj
+    if mlp.gate_up_proj is not None:
+        del mlp.gate_proj, mlp.up_proj
 
 
 def _split_fused(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelArchConfig):

@@ -67,6 +67,21 @@ class EagleHead(nn.Module):
             x = layer(x, rope, kv_cache, meta)
         return x
 
+    def quantize_for_cpu(self) -> str:
+        """The head's matmuls as per-channel int8 codes in the native kernels' packed panels,
+        q/k/v and gate/up joined as in the target: a drafted token then reads ~4 MiB of the
+        head's weights instead of ~17 MiB of float32 (SmolLM2's shape). Only drafts come from
+        it, and the target verifies them: output is unchanged. Returns what was quantized."""
+        from memwall.models.llama import fuse_layer_projections
+        from memwall.quant.packing import pack_model
+        from memwall.quant.transform import quantize_model
+
+        report = quantize_model(self, "int8")
+        for layer in self.layers:
+            fuse_layer_projections(layer)
+        pack_model(self)
+        return report.summary()
+
 
 def load_eagle_head(directory: str | Path, target: ModelArchConfig,
                     dtype: torch.dtype = torch.float32) -> EagleHead:

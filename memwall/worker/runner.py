@@ -91,6 +91,8 @@ class ModelRunner:
         if spec.method == "eagle":
             from memwall.spec_decode.eagle import EagleProposer, load_eagle_head
             head = load_eagle_head(spec.model, self.arch).to(self.device)
+            if self.device.type == "cpu":
+                head.quantize_for_cpu()
             caches = allocate_kv_cache(head.config, plan, dtype, self.device)
             return EagleProposer(head, self.model, caches, plan.block_size, self.attn_backend,
                                  draft_head(self.model, spec.draft_vocab_size))

@@ -210,3 +210,47 @@ def test_the_heads_cache_follows_accepts_rejects_and_rewinds(tiny_target, tiny_h
         tokens = tokens + drafts[:accepted] + [rng.randrange(4, 380)]
     lived.forget(["s"])
     assert lived.num_free_blocks == 256
+
+
+@torch.inference_mode()
+def test_on_cpu_the_head_drafts_from_int8_panels_close_to_its_float_weights(tiny_target, tiny_head):
+    """The runner quantizes the head's matmuls (int8 codes, q/k/v and gate/up joined): its
+    predicted features stay within int8's rounding of the float head's, and it still drafts
+    with greedy output unchanged (the target verifies every draft)."""
+    from memwall import LLM, SamplingParams
+    from memwall.loader.model_loader import load_model
+    from memwall.quant.base import QuantLinear
+
+    target = load_model(str(tiny_target))
+    float_head = load_eagle_head(tiny_head, target.arch)
+    int8_head = load_eagle_head(tiny_head, target.arch)
+    summary = int8_head.quantize_for_cpu()
+    assert "quantized" in summary and "0 Linear(s) kept float" in summary
+    layer = int8_head.layers[0]
+    assert isinstance(int8_head.fc, QuantLinear)
+    assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and isinstance(layer.mlp.gate_up_proj, QuantLinear)
+    assert not hasattr(layer.self_attn, "q_proj")
+    g = torch.Generator().manual_seed(2)
+    T, H = 9, target.arch.hidden_size
+    embeds, feats = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+    block_size = 4
+    shape = (4, block_size, int8_head.config.num_key_value_heads, int8_head.config.head_dim)
+    outs = []
+    for head in (float_head, int8_head):
+        for module in head.modules():
+            if hasattr(module, "attn_backend"):
+                module.attn_backend = get_backend("torch")
+        meta = AttentionMetadata.build([T], [T], [[2, 0, 3]], block_size, backend="torch")
+        outs.append(head(embeds, feats, torch.arange(T), [(torch.zeros(shape), torch.zeros(shape))], meta))
+    err = (outs[1] - outs[0]).norm() / outs[0].norm()
+    assert 0 < err < 0.03, err  # quantized (not the float weights), within int8's rounding
+
+    llm = LLM(str(tiny_target), speculative_config=eagle(tiny_head, k=3), num_kv_blocks=128, block_size=4)
+    proposer = llm.engine.core.executor.worker.runner.proposer
+    assert isinstance(proposer.head.fc, QuantLinear)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [[5 + i, 17, 33, 2 * i + 40] * 5 for i in range(3)]
+    plain = LLM(str(tiny_target), num_kv_blocks=128, block_size=4).generate(prompts, params)
+    out = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.core.scheduler.stats.spec_num_verify_steps > 3
