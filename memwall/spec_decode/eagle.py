@@ -37,6 +37,7 @@ from memwall.layers.rotary import RotaryEmbedding
 from memwall.models.llama import DecoderLayer, KVCache
 from memwall.sample.sampler import argmax_rows
 from memwall.spec_decode.draft_cache import DraftCache
+from memwall.spec_decode.draft_model import ROWS_AS_DECODE
 from memwall.spec_decode.proposer import DraftRequest, Proposer
 
 UNUSED = ("embed_tokens.weight", "layers.0.input_layernorm.weight")
@@ -81,6 +82,13 @@ class EagleHead(nn.Module):
             fuse_layer_projections(layer)
         pack_model(self)
         return report.summary()
+
+    def native_view(self) -> SimpleNamespace:
+        """The head's layer in the shape NativeDecoder describes to the fused C decode step (a
+        one-layer model without input or final norm: it returns the layer's output, the
+        predicted features)."""
+        return SimpleNamespace(config=self.config, native_decode=True,
+                               model=SimpleNamespace(layers=self.layers, rotary=self.rotary, norm=None))
 
 
 def load_eagle_head(directory: str | Path, target: ModelArchConfig,
@@ -176,6 +184,13 @@ class EagleProposer(Proposer):
         self.logits = logits if logits is not None else target.compute_logits
         self.cache = DraftCache(kv_caches, block_size)
         bind_attention(head, backend)
+        self.decoder = None
+        """The fused C decode step over the head's layer (CPU, projections joined: a head
+        after ``quantize_for_cpu``), which steps of a few entries a sequence take; None: the
+        head's torch forward runs every step."""
+        if self.cache.device.type == "cpu":
+            from memwall.kernels.cpu.decode import NativeDecoder
+            self.decoder = NativeDecoder.build(head.native_view(), kv_caches)
         self.max_len = head.config.max_position_embeddings
         self.features: dict[str, _Features] = {}
         self.real: dict[str, int] = {}
@@ -252,12 +267,20 @@ class EagleProposer(Proposer):
         """Entries at positions first .. first + len - 1 for each sequence (token x_{t+1} and
         feature f_t each); returns the predicted feature after each sequence's last entry."""
         spans = [(rid, first - base, len(t)) for (rid, _, _, base), (first, t, _) in zip(active, inputs)]
-        attn = self.cache.metadata(self.backend, spans)
+        # a few entries a sequence (every draft step; a catch-up after a verify) as one-token
+        # rows: the fused C step, as the draft model's feeds (draft_model.py)
+        as_rows = self.decoder is not None and max(len(t) for _, t, _ in inputs) <= ROWS_AS_DECODE
+        attn = self.cache.metadata(self.backend, spans, as_rows=as_rows)
         dev = self.cache.device
         positions = torch.tensor([p for first, t, _ in inputs for p in range(first, first + len(t))],
                                  dtype=torch.long, device=dev)
         ids = torch.cat([t.reshape(-1) for _, t, _ in inputs]).to(dev)
         feats = torch.cat([f for _, _, f in inputs]).to(dev)
         embeds = self.target.model.embed_tokens(ids).float()
-        out = self.head(embeds, feats, positions, self.cache.kv_caches, attn)
+        if as_rows and not attn.prefill_seq_ids and attn.decode is not None:
+            x = self.head.fc(torch.cat([embeds, feats], dim=-1)).float()
+            out = self.decoder.step(x, positions, attn.slot_mapping, attn.decode.seq_lens,
+                                    attn.decode.block_tables)
+        else:
+            out = self.head(embeds, feats, positions, self.cache.kv_caches, attn)
         return out[torch.as_tensor(np.cumsum([len(t) for _, t, _ in inputs]) - 1, device=dev)]

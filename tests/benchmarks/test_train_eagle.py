@@ -66,6 +66,36 @@ def test_the_training_forward_is_the_paged_forward(tiny):
     torch.testing.assert_close(dense, paged, atol=1e-5, rtol=1e-5)
 
 
+@torch.inference_mode()
+def test_the_second_step_forward_is_a_drafted_entry_over_the_paged_cache(tiny):
+    """layer_forward with ``prior``: row i is the entry a second draft step writes at position
+    i + 1, over a cache holding the first-step entries before it (and not the ones after)."""
+    from memwall.attention.backend import get_backend
+    from memwall.attention.metadata import AttentionMetadata
+
+    _, loaded = tiny
+    head = _head(loaded.arch)
+    g = torch.Generator().manual_seed(3)
+    T, H = 13, loaded.arch.hidden_size
+    x, x2 = torch.randn(T, H, generator=g), torch.randn(T - 1, H, generator=g)
+    keys: list = []
+    layer_forward(head, x, torch.arange(T), keep=keys)
+    dense = layer_forward(head, x2, torch.arange(1, T), prior=keys[0])
+    for module in head.modules():
+        if hasattr(module, "attn_backend"):
+            module.attn_backend = get_backend("torch")
+    shape = (5, 4, head.config.num_key_value_heads, head.config.head_dim)
+    table = [3, 0, 4, 1, 2]
+    layer = head.layers[0]
+    for q in (1, 4, 7, T - 1):  # the real entries 0 .. q - 1, then the drafted one at q
+        caches = (torch.zeros(shape), torch.zeros(shape))
+        layer(x[:q], head.rotary.lookup(torch.arange(q), x.dtype), caches,
+              AttentionMetadata.build([q], [q], [table], 4, backend="torch"))
+        drafted = layer(x2[q - 1:q], head.rotary.lookup(torch.tensor([q]), x.dtype), caches,
+                        AttentionMetadata.build([1], [q + 1], [table], 4, backend="torch"))
+        torch.testing.assert_close(dense[q - 1:q], drafted, atol=1e-5, rtol=1e-5)
+
+
 def test_training_lowers_the_loss_and_the_saved_head_drafts(tiny, tmp_path):
     from memwall import LLM, SamplingParams
 
@@ -80,14 +110,17 @@ def test_training_lowers_the_loss_and_the_saved_head_drafts(tiny, tmp_path):
     head = _head(loaded.arch)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
     first = last = None
+    greedy = torch.tensor(ids[1:] + [ids[0]])  # any labels: the loss must fall on them
+    second: dict = {}
     for _ in range(15):
-        loss, _, _ = sequence_loss(head, lm_head, embeds, feats, torch.tensor(ids), 10)
+        loss, _, _ = sequence_loss(head, lm_head, embeds, feats, torch.tensor(ids), 10, greedy, second)
         opt.zero_grad()
         loss.backward()
         opt.step()
         first = loss.item() if first is None else first
         last = loss.item()
     assert last < 0.8 * first
+    assert second["positions"] == 15 * (40 - 2 - 7)  # the second step's rows over the reply
     save_head(head, _hf(loaded.arch), tmp_path / "head")
     spec = {"method": "eagle", "model": str(tmp_path / "head"), "num_speculative_tokens": 3,
             "adaptive": False}

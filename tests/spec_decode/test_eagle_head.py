@@ -254,3 +254,58 @@ def test_on_cpu_the_head_drafts_from_int8_panels_close_to_its_float_weights(tiny
     out = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
     assert llm.engine.core.scheduler.stats.spec_num_verify_steps > 3
+
+
+@torch.inference_mode()
+def test_the_fused_c_step_drafts_what_the_heads_torch_forward_drafts(tiny_target, tiny_head):
+    """A quantized head's draft steps (and its catch-ups of a few entries) take the fused C
+    decode step, as one-token rows without an input norm; they draft the tokens its torch
+    forward drafts, and leave the same keys in its cache."""
+    import numpy as np
+
+    from memwall.attention.backend import choose as choose_backend
+    from memwall.loader.model_loader import load_model
+    from memwall.spec_decode.eagle import EagleProposer
+    from memwall.spec_decode.proposer import DraftRequest
+    from memwall.worker.kv_cache import KVCachePlan, allocate_kv_cache
+
+    target = load_model(str(tiny_target))
+    head = load_eagle_head(tiny_head, target.arch)
+    head.quantize_for_cpu()
+    backend = get_backend(choose_backend("cpu"))
+
+    def make(fused: bool):
+        caches = allocate_kv_cache(head.config, KVCachePlan(64, 4, 0), torch.float32)
+        proposer = EagleProposer(head, target.model, caches, 4, backend)
+        if not fused:
+            proposer.decoder = None
+        return proposer
+
+    fused, plain = make(True), make(False)
+    assert fused.decoder is not None
+    steps = {"fused": 0}
+    step = fused.decoder.step
+
+    def counted(*args):
+        steps["fused"] += 1
+        return step(*args)
+
+    fused.decoder.step = counted
+    rng = __import__("random").Random(4)
+    g = torch.Generator().manual_seed(4)
+    tokens = [rng.randrange(4, 380) for _ in range(13)]
+    feats = torch.randn(12, 64, generator=g)
+    for p in (fused, plain):
+        p.record("s", 0, feats)
+    for _ in range(12):
+        req = DraftRequest("s", np.array(tokens), rng.randrange(1, 5))
+        a, b = fused.propose([req])["s"], plain.propose([req])["s"]
+        assert a == b
+        keep = rng.randrange(0, len(a) + 1)  # accept some drafts, then a new token and features
+        new = a[:keep] + [rng.randrange(4, 380)]
+        more = torch.randn(len(new), 64, generator=g)
+        for p in (fused, plain):
+            p.record("s", len(tokens) - 1, more)
+        tokens += new
+        torch.testing.assert_close(_real_keys(fused), _real_keys(plain), rtol=1e-4, atol=1e-4)
+    assert steps["fused"] >= 12  # every draft step after the first prompt-long catch-up

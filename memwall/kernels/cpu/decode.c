@@ -74,7 +74,7 @@ typedef struct {            /* a projection's LoRA targets (nsegs 0: none) */
 } mw_lora_proj;
 
 typedef struct {
-    const float* in_norm;   /* [hidden] */
+    const float* in_norm;   /* [hidden]; NULL: the layer takes x as it is (an EAGLE head's layer) */
     const float* post_norm; /* [hidden] */
     const float* q_norm;    /* [head_dim] or NULL (Qwen3 normalizes each head's q and k) */
     const float* k_norm;
@@ -524,7 +524,11 @@ int mw_decode_step(const mw_model* m, float* x, int64_t B, const int64_t* positi
     }
     for (int64_t l = 0; l < m->n_layers; l++) {
         const mw_layer* L = &m->layers[l];
-        STAGE(0, for (int64_t b = 0; b < B; b++) rms_norm(x + b * Hd, L->in_norm, h + b * Hd, Hd, m->eps));
+        if (L->in_norm) {
+            STAGE(0, for (int64_t b = 0; b < B; b++) rms_norm(x + b * Hd, L->in_norm, h + b * Hd, Hd, m->eps));
+        } else {
+            memcpy(h, x, sizeof(float) * B * Hd);
+        }
         STAGE(1, proj_apply(&L->qkv, h, B, big, qkv_size, tmp));  /* [B, q | k | v] */
         STAGE(8, lora_apply(&L->lora_qkv, &lora, h, big, qkv_size));
         STAGE(2, rope_and_write(m, L, big, qbuf, B, positions, slots,

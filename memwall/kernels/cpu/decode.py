@@ -181,7 +181,8 @@ class NativeDecoder:
             if attn.qkv_proj is None or mlp.gate_up_proj is None:
                 raise Unsupported("projections are not fused")
             entry = layers[i]
-            entry.in_norm = _ptr(layer.input_layernorm.weight)
+            # an EAGLE head's layer has no input norm (nn.Identity): the C step then skips it
+            entry.in_norm = _ptr(getattr(layer.input_layernorm, "weight", None))
             if cfg.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention output
                 entry.attn_out_norm = _ptr(layer.post_attention_layernorm.weight)
                 entry.post_norm = _ptr(layer.pre_feedforward_layernorm.weight)
@@ -212,7 +213,8 @@ class NativeDecoder:
             entry.v_cache, entry.v_scale = _cache_ptrs(v_cache)
         rotary = inner.rotary
         rope_cos, rope_sin = rotary.cos.float().contiguous(), rotary.sin.float().contiguous()
-        eps = {layer.input_layernorm.eps for layer in inner.layers}
+        eps = {norm.eps for layer in inner.layers
+               for norm in (layer.input_layernorm, layer.post_attention_layernorm) if hasattr(norm, "eps")}
         final_norm = None  # a pipeline stage before the last has none (memwall/distributed)
         if inner.norm is not None:
             eps.add(inner.norm.eps)
