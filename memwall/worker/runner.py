@@ -91,11 +91,14 @@ class ModelRunner:
         if spec.method == "eagle":
             from memwall.spec_decode.eagle import EagleProposer, load_eagle_head
             head = load_eagle_head(spec.model, self.arch).to(self.device)
-            if self.device.type == "cpu":
-                head.quantize_for_cpu()
             caches = allocate_kv_cache(head.config, plan, dtype, self.device)
+            fast = None
+            if self.device.type == "cpu":  # int8 panels, and the fused step over its layer
+                from memwall.worker.cpu_decode import FusedCpuDecode
+                head.quantize_for_cpu()
+                fast = FusedCpuDecode.build(head.native_view(), caches)
             return EagleProposer(head, self.model, caches, plan.block_size, self.attn_backend,
-                                 draft_head(self.model, spec.draft_vocab_size))
+                                 draft_head(self.model, spec.draft_vocab_size), fast)
         if spec.method != "draft_model":
             return make_proposer(spec)
         if draft is None:

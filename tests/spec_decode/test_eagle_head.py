@@ -247,7 +247,7 @@ def test_on_cpu_the_head_drafts_from_int8_panels_close_to_its_float_weights(tiny
 
     llm = LLM(str(tiny_target), speculative_config=eagle(tiny_head, k=3), num_kv_blocks=128, block_size=4)
     proposer = llm.engine.core.executor.worker.runner.proposer
-    assert isinstance(proposer.head.fc, QuantLinear)
+    assert isinstance(proposer.head.fc, QuantLinear) and proposer.fast_path is not None
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     prompts = [[5 + i, 17, 33, 2 * i + 40] * 5 for i in range(3)]
     plain = LLM(str(tiny_target), num_kv_blocks=128, block_size=4).generate(prompts, params)
@@ -267,6 +267,7 @@ def test_the_fused_c_step_drafts_what_the_heads_torch_forward_drafts(tiny_target
     from memwall.loader.model_loader import load_model
     from memwall.spec_decode.eagle import EagleProposer
     from memwall.spec_decode.proposer import DraftRequest
+    from memwall.worker.cpu_decode import FusedCpuDecode
     from memwall.worker.kv_cache import KVCachePlan, allocate_kv_cache
 
     target = load_model(str(tiny_target))
@@ -276,21 +277,19 @@ def test_the_fused_c_step_drafts_what_the_heads_torch_forward_drafts(tiny_target
 
     def make(fused: bool):
         caches = allocate_kv_cache(head.config, KVCachePlan(64, 4, 0), torch.float32)
-        proposer = EagleProposer(head, target.model, caches, 4, backend)
-        if not fused:
-            proposer.decoder = None
-        return proposer
+        fast = FusedCpuDecode.build(head.native_view(), caches) if fused else None
+        return EagleProposer(head, target.model, caches, 4, backend, fast_path=fast)
 
     fused, plain = make(True), make(False)
-    assert fused.decoder is not None
+    assert fused.fast_path is not None
     steps = {"fused": 0}
-    step = fused.decoder.step
+    step = fused.fast_path.decoder.step
 
     def counted(*args):
         steps["fused"] += 1
         return step(*args)
 
-    fused.decoder.step = counted
+    fused.fast_path.decoder.step = counted
     rng = __import__("random").Random(4)
     g = torch.Generator().manual_seed(4)
     tokens = [rng.randrange(4, 380) for _ in range(13)]
