@@ -187,6 +187,7 @@ class ModelRunner:
         out = RunnerOutput()
         if sched.is_empty:
             return out
+        started = time.perf_counter()
         inputs = StepInputs.build(self.rows, sched, self.device)
         attn = self.attn_backend.build_metadata(inputs.query_lens, inputs.seq_lens,
                                                 inputs.block_tables, inputs.slot_mapping,
@@ -214,6 +215,8 @@ class ModelRunner:
                                   rows.top_k)
             out.prompt_logprobs[rows.request_id] = _logprob_dicts(lp)
         if self.proposer is not None:
+            if _decode_only(sched):  # what a step of these rows costs, for adaptive drafting
+                self.draft_lengths.observe_step(len(inputs.input_ids), time.perf_counter() - started)
             if self.proposer.wants_features:
                 self._record_features(sched, inputs, hidden, out)
             self._propose(sched, out)
@@ -415,6 +418,13 @@ class ModelRunner:
             gen = torch.Generator(device=self.device).manual_seed(seed)  # draws where the logits are
             self._generators[request_id] = gen
         return gen
+
+
+def _decode_only(sched: SchedulerOutput) -> bool:
+    """Every sequence of the step decodes one token or verifies its drafts (no prompt chunk)."""
+    spec = sched.spec_token_ids
+    return all(count == 1 + len(spec.get(request_id, ()))
+               for request_id, count in sched.num_scheduled_tokens.items())
 
 
 def _has_penalties(params: SamplingParams) -> bool:

@@ -152,3 +152,28 @@ def test_aborts_mid_verification_leak_no_block(tiny_llama):
             break
     assert not engine.has_unfinished_requests()
     assert engine.num_free_blocks == engine.num_total_blocks
+
+
+def test_adaptive_drafting_learns_the_cost_of_the_steps_it_runs(tiny_llama):
+    """Every decode/verify step's wall time reaches the draft-length policy's cost table, by
+    its rows; the prompt's step does not."""
+    llm = LLM(str(tiny_llama), speculative_config={**NGRAM, "adaptive": True},
+              num_kv_blocks=256, block_size=4)
+    core = llm.engine.core
+    execute, rows = core.executor.execute, []
+
+    def counted(sched):
+        if not sched.is_empty:
+            rows.append(sum(sched.num_scheduled_tokens.values()))
+        return execute(sched)
+
+    core.executor.execute = counted
+    prompt = [7, 81, 9, 120, 11] * 12  # a repeated phrase: drafts exist
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    learned = core.executor.worker.runner.draft_lengths.cost
+    assert rows[0] == 60  # the prompt, in one step
+    steps = rows[1:]
+    assert len(steps) >= 8 and 1 < max(steps) <= 5  # decodes and verifies
+    assert {n: learned.samples(n) for n in set(rows)} == {n: steps.count(n) for n in set(rows)}
+    seen = max(set(steps), key=steps.count)
+    assert 0 < learned(seen) < 1.0  # seconds, learned from real steps

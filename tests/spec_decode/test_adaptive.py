@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from memwall.spec_decode.adaptive import DraftLengths, StepCost, expected_tokens
+from memwall.spec_decode.adaptive import (DraftLengths, LearnedStepCost, StepCost,
+                                          expected_tokens)
 
 
 def test_step_cost_interpolates_and_extrapolates():
@@ -107,3 +108,47 @@ def test_a_draft_models_own_steps_count_against_it():
             lengths.observe("a", 4, 3)  # 75%
         choices.append(lengths.choose("a", batch=1))
     assert choices[0] == 4 and 0 < choices[1] < 4 and choices[2] == 0
+
+
+def test_the_learned_cost_keeps_the_tables_shape_at_the_scale_of_the_steps_seen():
+    startup = StepCost({1: 1.0, 4: 2.0, 8: 3.0, 16: 5.0, 17: 7.0})
+    learned = LearnedStepCost(startup)
+    assert learned(5) == startup(5)  # nothing seen yet
+    for seconds in (2.8, 3.0, 3.2):  # steps of 4 rows: 1.5x the table
+        learned.observe(4, seconds)
+    assert learned(4) == pytest.approx(3.0)  # a plain mean of the first steps
+    assert learned(1) == pytest.approx(1.5)  # one side seen: its ratio
+    assert learned(17) == pytest.approx(7.0 * 1.5)  # the step past 16 rows stays a step
+    learned.observe(16, 20.0)
+    learned.observe(16, 20.0)
+    assert learned(8) == pytest.approx(4.5)  # 16 rows seen twice: not enough to count yet
+    learned.observe(16, 20.0)  # now 4x the table at 16
+    assert learned(16) == pytest.approx(20.0)
+    assert learned(8) == pytest.approx(3.0 * (1.5 + (4.0 - 1.5) * 4 / 12))  # ratio interpolated
+    assert learned(17) == pytest.approx(7.0 * 4.0)
+    assert learned.samples(16) == 3 and learned.samples(5) == 0
+
+
+def test_one_slow_step_moves_the_learned_cost_a_little():
+    learned = LearnedStepCost(StepCost({1: 1.0, 8: 2.0}))
+    for _ in range(30):
+        learned.observe(2, 1.0)
+    learned.observe(2, 100.0)  # the OS took the core for a while
+    assert 1.0 < learned(2) <= 1.0 + LearnedStepCost.ALPHA * (LearnedStepCost.CLAMP - 1.0)
+    learned.observe(0, 1.0)  # nonsense is ignored
+    learned.observe(3, -1.0)
+    assert learned.samples(0) == learned.samples(3) == 0
+
+
+def test_real_steps_that_cost_more_than_the_table_stop_the_drafting_it_promised():
+    """The start-up table says extra rows are nearly free; the steps run say each row costs
+    as much as a whole one-row step: a sequence accepted half the time stops drafting."""
+    lengths = DraftLengths(4, StepCost({1: 1.0, 8: 1.35}))
+    for _ in range(5):
+        lengths.observe("a", 4, 1)
+    assert lengths.choose("a", batch=4) > 0
+    for rows in range(1, 9):
+        for _ in range(LearnedStepCost.MIN_SAMPLES):
+            lengths.observe_step(rows, 1.0 * rows)
+    assert lengths.choose("a", batch=4) == 0
+    assert lengths.choose("a", batch=1) == 0
