@@ -26,7 +26,8 @@ def one_token_rows(expand: np.ndarray, query_lens: np.ndarray, start: np.ndarray
     the sequence's blocks (each row's KV is written before any row attends, so row j sees tokens
     0..j of this step); the others stay one row of ``query_lens`` tokens. The one-token kernels
     (the fused CPU decode step) then take the expanded rows: the target verifying drafts
-    (worker/input_batch.py), a drafter feeding a few tokens (spec_decode/draft_cache.py).
+    (worker/input_batch.py); a drafter feeding a few tokens builds the same rows directly
+    (spec_decode/draft_cache.py ``DraftCache.rows``).
     ``start``: each sequence's length before this step. -> (query_lens, seq_lens, tables) a row."""
     counts = np.where(expand, query_lens, 1)  # attention rows per sequence
     seq_of_row = np.repeat(np.arange(len(query_lens)), counts)

@@ -18,6 +18,7 @@ first ids' rows (draft_vocab.py): for the 0.5B Qwen drafter, most of a drafted t
 
 from __future__ import annotations
 
+from itertools import accumulate
 from types import SimpleNamespace
 
 import numpy as np
@@ -116,19 +117,19 @@ class DraftModelProposer(Proposer):
         """Feeds each sequence its new tokens (appending them to its cache) and returns the
         greedy next token of each."""
         spans = [(rid, len(self.tokens[rid]), len(new)) for rid, new in zip(request_ids, inputs)]
-        # a few tokens a sequence (its last draft and the sampled token, after a verify that
-        # accepted every draft) as one-token rows: the fused decode step, not the model's forward
-        as_rows = self.fast_path is not None and max(len(new) for new in inputs) <= ROWS_AS_DECODE
-        attn = self.cache.metadata(self.backend, spans, as_rows=as_rows)
         dev = self.cache.device
         input_ids = torch.tensor([t for new in inputs for t in new], dtype=torch.long, device=dev)
         positions = torch.tensor([e for _, first, count in spans for e in range(first, first + count)],
                                  dtype=torch.long, device=dev)
-        if self.fast_path is not None and self.fast_path.can_run(attn):
-            hidden = self.fast_path.run(input_ids, positions, attn)
+        # a few tokens a sequence (its last draft and the sampled token, after a verify that
+        # accepted every draft) as one-token rows: the fused decode step, not the model's forward
+        if (self.fast_path is not None and self.fast_path.use_native_decode
+                and max(len(new) for new in inputs) <= ROWS_AS_DECODE):
+            hidden = self.fast_path.run_rows(input_ids, positions, *self.cache.rows(spans))
         else:
+            attn = self.cache.metadata(self.backend, spans)
             hidden = self.model(input_ids, positions, self.cache.kv_caches, attn)
-        last = torch.as_tensor(np.cumsum([len(new) for new in inputs]) - 1, device=dev)
+        last = torch.tensor(list(accumulate(len(new) for new in inputs)), device=dev) - 1
         logits = self.logits(hidden[last])
         for rid, new in zip(request_ids, inputs):
             self.tokens[rid].extend(new)

@@ -23,11 +23,10 @@ first ids' rows (draft_vocab.py).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -136,34 +135,38 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     return {name.removeprefix("model."): tensor.float() for name, tensor in weights.items()}
 
 
-@dataclass
 class _Features:
-    base: int
-    """The first position with a feature (0, unless the prompt's start came from the prefix
-    cache: the target never computed those positions, and the head starts after them)."""
-    rows: list[torch.Tensor] = field(default_factory=list)
-    count: int = 0
+    """A sequence's features, in a buffer that doubles as it fills (a drafting step reads the
+    last few; keeping them as a list joined at every read copied the whole history each step)."""
+
+    def __init__(self, base: int) -> None:
+        self.base = base
+        """The first position with a feature (0, unless the prompt's start came from the prefix
+        cache: the target never computed those positions, and the head starts after them)."""
+        self.count = 0
+        self._buffer: torch.Tensor | None = None  # [capacity, hidden] float32
 
     def append(self, start: int, features: torch.Tensor) -> bool:
         """False when ``start`` does not continue what is held (the caller starts afresh)."""
         end = self.base + self.count
         if start > end or start < self.base:
             return False
-        if start < end:  # positions computed again (a rewound sequence): keep the new ones
-            self._truncate(start - self.base)
-        self.rows.append(features.detach().float().clone())
-        self.count += features.shape[0]
+        keep = start - self.base  # positions computed again (a rewound sequence): the new ones
+        need = keep + features.shape[0]
+        capacity = 0 if self._buffer is None else self._buffer.shape[0]
+        if need > capacity:
+            grown = torch.empty(max(need, 64, 2 * capacity), features.shape[-1],
+                                dtype=torch.float32, device=features.device)
+            if keep:
+                grown[:keep] = self._buffer[:keep]
+            self._buffer = grown
+        self._buffer[keep:need] = features.detach()
+        self.count = need
         return True
 
-    def _truncate(self, keep: int) -> None:
-        joined = torch.cat(self.rows)[:keep] if self.rows else torch.empty(0)
-        self.rows, self.count = ([joined] if keep else []), keep
-
     def slice(self, lo: int, hi: int) -> torch.Tensor:
-        """Features of positions lo .. hi - 1."""
-        if len(self.rows) > 1:
-            self.rows = [torch.cat(self.rows)]
-        return self.rows[0][lo - self.base:hi - self.base]
+        """Features of positions lo .. hi - 1 (a view: read it before the next append)."""
+        return self._buffer[lo - self.base:hi - self.base]
 
 
 class EagleProposer(Proposer):
@@ -264,19 +267,20 @@ class EagleProposer(Proposer):
         """Entries at positions first .. first + len - 1 for each sequence (token x_{t+1} and
         feature f_t each); returns the predicted feature after each sequence's last entry."""
         spans = [(rid, first - base, len(t)) for (rid, _, _, base), (first, t, _) in zip(active, inputs)]
-        # a few entries a sequence (every draft step; a catch-up after a verify) as one-token
-        # rows: the fused C step, as the draft model's feeds (draft_model.py)
-        as_rows = self.fast_path is not None and max(len(t) for _, t, _ in inputs) <= ROWS_AS_DECODE
-        attn = self.cache.metadata(self.backend, spans, as_rows=as_rows)
         dev = self.cache.device
         positions = torch.tensor([p for first, t, _ in inputs for p in range(first, first + len(t))],
                                  dtype=torch.long, device=dev)
         ids = torch.cat([t.reshape(-1) for _, t, _ in inputs]).to(dev)
         feats = torch.cat([f for _, _, f in inputs]).to(dev)
         embeds = self.target.model.embed_tokens(ids).float()
-        if self.fast_path is not None and self.fast_path.can_run(attn):
+        # a few entries a sequence (every draft step; a catch-up after a verify) as one-token
+        # rows: the fused C step, as the draft model's feeds (draft_model.py)
+        if (self.fast_path is not None and self.fast_path.use_native_decode
+                and max(len(t) for _, t, _ in inputs) <= ROWS_AS_DECODE):
             x = self.head.fc(torch.cat([embeds, feats], dim=-1))  # the layer's input goes in
-            out = self.fast_path.run(ids, positions, attn, x)    # as a pipeline stage's would
+            # as a pipeline stage's input would (the C step starts from it, not the embeddings)
+            out = self.fast_path.run_rows(ids, positions, *self.cache.rows(spans), x)
         else:
+            attn = self.cache.metadata(self.backend, spans)
             out = self.head(embeds, feats, positions, self.cache.kv_caches, attn)
-        return out[torch.as_tensor(np.cumsum([len(t) for _, t, _ in inputs]) - 1, device=dev)]
+        return out[torch.tensor(list(accumulate(len(t) for _, t, _ in inputs)), device=dev) - 1]

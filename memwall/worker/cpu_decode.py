@@ -46,6 +46,15 @@ class FusedCpuDecode:
         of each sequence is the one the runner set for the step (``LoRASlots.set_step``: one
         token per sequence, in batch order, which is the C step's row order)."""
         batch = attn.decode
+        return self.run_rows(input_ids, positions, attn.slot_mapping, batch.seq_lens,
+                             batch.block_tables, hidden)
+
+    def run_rows(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                 hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """``run`` from the arrays the C step reads (one row each: the slot its token's K/V go
+        to, how many cached tokens it attends, its block table [B, W] int64): what a drafter
+        builds for its one-token rows without the attention metadata (DraftCache.rows)."""
         if hidden is not None:
             embeddings = hidden.float().contiguous()  # [B, hidden]; the step overwrites it
         else:
@@ -53,5 +62,5 @@ class FusedCpuDecode:
         if hidden is None and self.embed_scale is not None:  # Gemma, as its forward scales them
             embeddings = embeddings * torch.tensor(self.embed_scale, dtype=embeddings.dtype)
         lora = getattr(self.model, "lora_slots", None)
-        return self.decoder.step(embeddings, positions, attn.slot_mapping, batch.seq_lens,
-                                 batch.block_tables, lora.token_slots if lora is not None else None)
+        return self.decoder.step(embeddings, positions, slot_mapping, seq_lens, block_tables,
+                                 lora.token_slots if lora is not None else None)

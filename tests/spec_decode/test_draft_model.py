@@ -96,7 +96,7 @@ def test_a_few_new_tokens_a_sequence_take_the_fused_decode_step(loaded_draft):
     if lived.fast_path is None:
         pytest.skip("no fused CPU decode step here (no C compiler)")
     calls = {"model": 0, "fused": 0}
-    model, run = lived.model, lived.fast_path.run
+    model, run = lived.model, lived.fast_path.run_rows
 
     def counting_model(*args, **kwargs):
         calls["model"] += 1
@@ -106,7 +106,7 @@ def test_a_few_new_tokens_a_sequence_take_the_fused_decode_step(loaded_draft):
         calls["fused"] += 1
         return run(*args, **kwargs)
 
-    lived.model, lived.fast_path.run = counting_model, counting_run
+    lived.model, lived.fast_path.run_rows = counting_model, counting_run
     tokens = [random.Random(11).randrange(4, 380) for _ in range(40)]  # a 40-token prompt
     drafts = lived.propose([DraftRequest("a", np.array(tokens), 4)])["a"]
     assert calls == {"model": 1, "fused": 3}  # the prompt, then one token a forward

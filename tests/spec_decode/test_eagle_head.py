@@ -308,3 +308,23 @@ def test_the_fused_c_step_drafts_what_the_heads_torch_forward_drafts(tiny_target
         tokens += new
         torch.testing.assert_close(_real_keys(fused), _real_keys(plain), rtol=1e-4, atol=1e-4)
     assert steps["fused"] >= 12  # every draft step after the first prompt-long catch-up
+
+
+def test_features_grow_rewind_and_refuse_gaps():
+    """A sequence's features: appended step by step past the buffer's first size, rewritten
+    from an earlier position after a rewind, refused when a position would be skipped."""
+    from memwall.spec_decode.eagle import _Features
+
+    g = torch.Generator().manual_seed(3)
+    held, truth = _Features(base=5), torch.randn(0, 8)
+    for _ in range(40):  # 5 rows a step: 200 positions, past the 64 first allocated
+        new = torch.randn(5, 8, generator=g)
+        assert held.append(5 + len(truth), new)
+        truth = torch.cat([truth, new])
+    assert held.count == 200 and torch.equal(held.slice(5, 205), truth)
+    redone = torch.randn(3, 8, generator=g)
+    assert held.append(5 + 150, redone)  # rewound to position 155: what follows is dropped
+    assert held.count == 153 and torch.equal(held.slice(150, 158), torch.cat([truth[145:150], redone]))
+    assert not held.append(5 + 154, redone)  # a gap: position 158 would be missing
+    assert not held.append(4, redone)  # before the first position held
+    assert torch.equal(held.slice(5, 155), truth[:150])
