@@ -153,7 +153,7 @@ class ModelRunner:
             draft = self.draft_lengths.draft_cost
             if draft is not None:
                 text += f", a draft token {draft(1) / cost(1):.2f}x"
-            text += " here)"
+            text += " at start-up; then as the steps run)"
         return text
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> list[int]:
@@ -219,7 +219,7 @@ class ModelRunner:
                 self.draft_lengths.observe_step(len(inputs.input_ids), time.perf_counter() - started)
             if self.proposer.wants_features:
                 self._record_features(sched, inputs, hidden, out)
-            self._propose(sched, out)
+            self._propose(sched, out, (time.perf_counter() - started, len(inputs.input_ids)))
         return out
 
     def _prepare_lora(self, sched: SchedulerOutput) -> bool:
@@ -358,13 +358,18 @@ class ModelRunner:
             self.draft_lengths.observe(v.request_id, len(drafts), accepted)
             offset = span.stop
 
-    def _propose(self, sched: SchedulerOutput, out: RunnerOutput) -> None:
+    def _propose(self, sched: SchedulerOutput, out: RunnerOutput, step: tuple[float, int]) -> None:
         """Drafts for the next step of every held sequence that got a token, as many as pay
-        (spec_decode/adaptive.py), none above disable_by_batch_size running sequences."""
+        (spec_decode/adaptive.py), none above disable_by_batch_size running sequences.
+        ``step``: (seconds, tokens) of this step, the price of a row in the next one when a
+        prompt is still being read (a sequence of this step got no token: its chunk was not
+        its prompt's last)."""
         batch = len(sched.num_scheduled_tokens)
         limit = self.spec.disable_by_batch_size
         if limit is not None and batch > limit:
             return
+        reading = any(rid not in out.sampled for rid in sched.num_scheduled_tokens)
+        prompt_step = step if reading else None
         candidates = []
         for request_id, sampled in out.sampled.items():
             row = self.rows.row_of.get(request_id)
@@ -378,7 +383,7 @@ class ModelRunner:
         candidates.sort(key=lambda c: -self.draft_lengths.rate(c[0]))
         requests, drafted = [], 0
         for request_id, sampled, row in candidates:
-            k = self.draft_lengths.choose(request_id, batch, drafted)
+            k = self.draft_lengths.choose(request_id, batch, drafted, prompt_step)
             if k == 0:
                 continue
             drafted += k

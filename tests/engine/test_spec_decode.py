@@ -177,3 +177,27 @@ def test_adaptive_drafting_learns_the_cost_of_the_steps_it_runs(tiny_llama):
     assert {n: learned.samples(n) for n in set(rows)} == {n: steps.count(n) for n in set(rows)}
     seen = max(set(steps), key=steps.count)
     assert 0 < learned(seen) < 1.0  # seconds, learned from real steps
+
+
+def test_sequences_draft_against_the_prompt_chunk_the_next_step_carries(tiny_llama):
+    """While a long prompt is read in chunks, the decoding sequences beside it price their
+    drafts as rows of a prefill step (the step's seconds and tokens); once it is read, as
+    rows of a decode step again."""
+    llm = LLM(str(tiny_llama), speculative_config={**NGRAM, "adaptive": True},
+              num_kv_blocks=256, block_size=4, max_num_batched_tokens=24)
+    runner = llm.engine.core.executor.worker.runner
+    choose, seen = runner.draft_lengths.choose, []
+
+    def recorded(request_id, batch, drafted=0, prompt_step=None):
+        seen.append(prompt_step)
+        return choose(request_id, batch, drafted, prompt_step)
+
+    runner.draft_lengths.choose = recorded
+    short = [7, 81, 9, 120, 11] * 2
+    long = [rng % 300 + 5 for rng in range(150)]  # read 24 tokens a step, beside the short one
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    llm.generate([short, long], params)
+    chunked = [s for s in seen if s is not None]
+    assert len(chunked) >= 4  # the short one's steps while the long prompt was read
+    assert all(0 < seconds and tokens == 24 for seconds, tokens in chunked)
+    assert seen[-1] is None  # decode steps at the end

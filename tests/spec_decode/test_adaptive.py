@@ -152,3 +152,17 @@ def test_real_steps_that_cost_more_than_the_table_stop_the_drafting_it_promised(
             lengths.observe_step(rows, 1.0 * rows)
     assert lengths.choose("a", batch=4) == 0
     assert lengths.choose("a", batch=1) == 0
+
+
+def test_drafts_ride_along_a_prompt_chunk_that_decode_steps_would_not_pay_for():
+    """Sixteen sequences, decode rows costing as much as they yield: no drafts in a decode
+    step. When the next step carries a prompt chunk (1,500 tokens in 0.9 s), a draft row
+    costs 1/1,500 of it, and a sequence accepted 60% of the time drafts its most."""
+    lengths = DraftLengths(4, StepCost({1: 1.0, 16: 16.0, 32: 32.0}))
+    for _ in range(5):
+        lengths.observe("a", 4, 2)
+    assert lengths.choose("a", batch=16) == 0
+    assert lengths.choose("a", batch=16, prompt_step=(0.9, 1500)) == 4
+    for _ in range(20):
+        lengths.observe("a", 4, 0)  # all rejected: not even a cheap row pays then
+    assert lengths.choose("a", batch=16, prompt_step=(0.9, 1500)) == 0
