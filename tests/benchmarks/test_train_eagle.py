@@ -130,3 +130,20 @@ def test_training_lowers_the_loss_and_the_saved_head_drafts(tiny, tmp_path):
     out = llm.generate([ids], params)
     assert out[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert llm.engine.core.scheduler.stats.spec_num_verify_steps > 3
+
+
+def test_training_chats_leave_out_the_benchmarks_prompts(monkeypatch):
+    """The chats a head trains on never include the prompts spec_decode.py measures it with."""
+    import benchmarks.datasets as datasets
+    from benchmarks import spec_decode, train_eagle
+
+    records = tuple({"conversations": [{"from": "human", "value": f"Question number {i} here?"},
+                                       {"from": "gpt", "value": f"Answer {i}."}]} for i in range(60))
+    monkeypatch.setattr(datasets, "sharegpt_path", lambda: "unused")
+    monkeypatch.setattr(datasets, "read_records", lambda path: records)
+    measured = spec_decode.chat_prompts(train_eagle.EVALUATION_CHATS)
+    assert len(measured) == 60  # every record is a chat prompt the benchmark could take
+    assert train_eagle.conversations(10, exclude=set()) != []
+    assert train_eagle.conversations(10, exclude=set(measured[:30])) == [
+        c for c in train_eagle.conversations(60, exclude=set()) if c not in measured[:30]][:10]
+    assert train_eagle.conversations(10) == []  # by default: all 60 are the benchmark's
