@@ -215,11 +215,12 @@ class ModelRunner:
                                   rows.top_k)
             out.prompt_logprobs[rows.request_id] = _logprob_dicts(lp)
         if self.proposer is not None:
-            if _decode_only(sched):  # what a step of these rows costs, for adaptive drafting
-                self.draft_lengths.observe_step(len(inputs.input_ids), time.perf_counter() - started)
+            step = (time.perf_counter() - started, len(inputs.input_ids))
+            if not attn.prefill_seq_ids:  # a decode/verify step: what its rows cost, for the
+                self.draft_lengths.observe_step(step[1], step[0])  # adaptive draft lengths
             if self.proposer.wants_features:
                 self._record_features(sched, inputs, hidden, out)
-            self._propose(sched, out, (time.perf_counter() - started, len(inputs.input_ids)))
+            self._propose(sched, out, step)
         return out
 
     def _prepare_lora(self, sched: SchedulerOutput) -> bool:
@@ -423,13 +424,6 @@ class ModelRunner:
             gen = torch.Generator(device=self.device).manual_seed(seed)  # draws where the logits are
             self._generators[request_id] = gen
         return gen
-
-
-def _decode_only(sched: SchedulerOutput) -> bool:
-    """Every sequence of the step decodes one token or verifies its drafts (no prompt chunk)."""
-    spec = sched.spec_token_ids
-    return all(count == 1 + len(spec.get(request_id, ()))
-               for request_id, count in sched.num_scheduled_tokens.items())
 
 
 def _has_penalties(params: SamplingParams) -> bool:
