@@ -48,6 +48,10 @@ EVALUATION_CHATS = 200
 first N): the 2,400 chats of session 25's head held 2 of the 20 it measured with."""
 
 
+TOKEN_LOSS_WEIGHT = 0.1
+"""The cross-entropy's weight beside the feature loss (EAGLE-1's 0.1)."""
+
+
 def conversations(count: int, exclude: set[str] | None = None) -> list[str]:
     """``count`` ShareGPT first turns (English, 20-800 characters), none of ``exclude``
     (default: the speculative-decoding benchmark's ``EVALUATION_CHATS`` chat prompts)."""
@@ -172,13 +176,13 @@ def sequence_loss(head, lm_head: torch.Tensor, embeds: torch.Tensor, feats: torc
         token_loss, logits, inside = _token_loss(pred, lm_head, labels)
     first = max(0, reply_from - 2)  # logits row t predicts token t + 2
     hits = (logits[first:].argmax(-1) == labels[first:]) & inside[first:]
-    loss = feature_loss + 0.1 * token_loss
+    loss = feature_loss + TOKEN_LOSS_WEIGHT * token_loss
     if second is not None and greedy is not None and x.shape[0] > 1:
         # position t + 1 from (x_{t+2}, predicted f_{t+1}): predicts f_{t+2} and the token after
         x2 = head.fc(torch.cat([embeds[2:], pred[:-1]], dim=-1))
         pred2 = layer_forward(head, x2, torch.arange(1, x.shape[0]), prior=keys[0])
         token_loss2, logits2, inside2 = _token_loss(pred2, lm_head, greedy[2:])
-        loss = loss + F.smooth_l1_loss(pred2, feats[2:]) + 0.1 * token_loss2
+        loss = loss + F.smooth_l1_loss(pred2, feats[2:]) + TOKEN_LOSS_WEIGHT * token_loss2
         first2 = max(0, reply_from - 3)  # row t predicts token t + 3
         hits2 = (logits2[first2:].argmax(-1) == greedy[2 + first2:]) & inside2[first2:]
         second["hits"] = second.get("hits", 0) + int(hits2.sum())

@@ -391,9 +391,12 @@ class ModelRunner:
             known = self.rows.token_ids[row, :self.rows.num_tokens[row]]
             new = [t.token_id for t in out.accepted_drafts.get(request_id, ())] + [sampled.token_id]
             requests.append(DraftRequest(request_id, np.concatenate([known, new]), k))
-        if requests:
-            started = time.perf_counter()
-            out.draft_token_ids = self.proposer.propose(requests)
+        self.draft_lengths.end_step(bool(requests))
+        if not requests:
+            return
+        started = time.perf_counter()
+        out.draft_token_ids = self.proposer.propose(requests)
+        if all(self.draft_lengths.knows(r.request_id) for r in requests):  # no prompt read
             self.draft_lengths.observe_drafting(time.perf_counter() - started,
                                                 sum(len(d) for d in out.draft_token_ids.values()))
 

@@ -71,18 +71,16 @@ def _projections(model: nn.Module) -> list[nn.Module]:
 WARMUP_TOKENS = 32  # rows of the warm-up pass: the kernels' large-batch path, a quarter of the probe
 
 
-@torch.inference_mode()
-def _pass_seconds(model: nn.Module, projections: list[nn.Module], tokens: int,
-                  with_head: bool, repeats: int = 1) -> float:
-    """Best of ``repeats`` timings of ``tokens`` rows through every projection (and the LM
-    head), after one warm-up pass of at most WARMUP_TOKENS rows (threads started, first-call
-    allocations made: a full-size warm-up doubled a 1.5B model's start-up measurement)."""
+def _pass_runner(model: nn.Module, projections: list[nn.Module], tokens: int, with_head: bool):
+    """rows -> seconds of ``rows`` (<= ``tokens``) rows through every projection (and the LM
+    head), on random inputs made once."""
     width = {m.in_features for m in projections}
     with_head = with_head and getattr(model, "lm_head", None) is not None  # a pipeline stage may lack it
     if with_head:
         width.add(model.config.hidden_size)
     inputs = {k: torch.randn(tokens, k) for k in width}
 
+    @torch.inference_mode()
     def run(rows: int) -> float:
         start = time.perf_counter()
         for m in projections:
@@ -91,6 +89,15 @@ def _pass_seconds(model: nn.Module, projections: list[nn.Module], tokens: int,
             model.compute_logits(inputs[model.config.hidden_size][:rows])
         return time.perf_counter() - start
 
+    return run
+
+
+def _pass_seconds(model: nn.Module, projections: list[nn.Module], tokens: int,
+                  with_head: bool, repeats: int = 1) -> float:
+    """Best of ``repeats`` timings of ``tokens`` rows through every projection (and the LM
+    head), after one warm-up pass of at most WARMUP_TOKENS rows (threads started, first-call
+    allocations made: a full-size warm-up doubled a 1.5B model's start-up measurement)."""
+    run = _pass_runner(model, projections, tokens, with_head)
     run(min(tokens, WARMUP_TOKENS))
     return min(run(tokens) for _ in range(repeats))
 
@@ -106,10 +113,18 @@ def measure(model: nn.Module, max_num_seqs: int, block_size: int) -> StepShape:
     return StepShape(budget, decode_batch, decode_s, rate)
 
 
-def measure_row_costs(model: nn.Module, sizes: tuple[int, ...]) -> dict[int, float]:
+def measure_row_costs(model: nn.Module, sizes: tuple[int, ...], rounds: int = 3) -> dict[int, float]:
     """Seconds of a decode step of n one-token rows (every projection and the LM head) for
     each n in ``sizes``: what speculative decoding weighs its extra rows with
-    (memwall/spec_decode/adaptive.py). Best of three timings each."""
+    (memwall/spec_decode/adaptive.py). Best of ``rounds`` rounds, each timing every size in
+    turn: a moment the machine is slow then costs one timing of several sizes, not every
+    timing of one (timed size by size, one start-up priced 1 row at 7.25 ms and 4 rows at
+    6.49 ms; adaptive.StepCost also makes the table monotone)."""
     projections = _projections(model)
-    return {n: _pass_seconds(model, projections, n, with_head=True, repeats=3) for n in sizes}
-
+    run = _pass_runner(model, projections, max(sizes), with_head=True)
+    run(min(max(sizes), WARMUP_TOKENS))
+    best = {n: float("inf") for n in sizes}
+    for _ in range(rounds):
+        for n in sizes:
+            best[n] = min(best[n], run(n))
+    return best

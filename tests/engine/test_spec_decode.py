@@ -201,3 +201,32 @@ def test_sequences_draft_against_the_prompt_chunk_the_next_step_carries(tiny_lla
     assert len(chunked) >= 4  # the short one's steps while the long prompt was read
     assert all(0 < seconds and tokens == 24 for seconds, tokens in chunked)
     assert seen[-1] is None  # decode steps at the end
+
+
+def test_a_drafters_first_call_on_a_sequence_is_not_timed_as_drafting(tiny_llama):
+    """The call that drafts a sequence's first tokens also feeds the drafter its prompt, once
+    a sequence: its time is left out of the seconds a drafted token costs (the adaptive
+    policy's drafting price); every call after it, on sequences already verified, counts."""
+    llm = LLM(str(tiny_llama), num_kv_blocks=256, block_size=4,
+              speculative_config={"method": "draft_model", "model": str(tiny_llama),
+                                  "num_speculative_tokens": 2, "adaptive": False})
+    runner = llm.engine.core.executor.worker.runner
+    propose, observe = runner.proposer.propose, runner.draft_lengths.observe_drafting
+    calls: list[list] = []  # [request ids, timed]
+
+    def proposing(requests):
+        calls.append([[r.request_id for r in requests], False])
+        return propose(requests)
+
+    def timed(seconds, tokens):
+        calls[-1][1] = True
+        return observe(seconds, tokens)
+
+    runner.proposer.propose, runner.draft_lengths.observe_drafting = proposing, timed
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm.generate(repetitive_prompts(3, seed=5), params)
+    seen: set[str] = set()
+    for ids, was_timed in calls:
+        assert was_timed == all(i in seen for i in ids), (ids, seen)
+        seen.update(ids)
+    assert sum(was_timed for _, was_timed in calls) >= len(calls) - 3

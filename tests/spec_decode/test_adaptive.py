@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from memwall.spec_decode.adaptive import (DraftLengths, LearnedStepCost, StepCost,
+from memwall.spec_decode.adaptive import (PROBE_AFTER, DraftLengths, LearnedStepCost, StepCost,
                                           expected_tokens)
 
 
@@ -14,6 +14,15 @@ def test_step_cost_interpolates_and_extrapolates():
     assert cost(3) == pytest.approx(1.75)
     assert cost(6) == pytest.approx(2.5)  # the last slope (0.25 a row) goes on
     assert StepCost({2: 2.0})(1) == pytest.approx(1.0)
+
+
+def test_a_step_of_more_rows_is_never_priced_below_one_of_fewer():
+    """A start-up whose first timing was slow (1 row 7.25 ms, 4 rows 6.49): the smaller counts
+    take the larger one's figure, so an extra row is not priced at a third of a step."""
+    cost = StepCost({1: 7.25, 2: 8.28, 3: 9.34, 4: 6.49, 5: 7.3})
+    assert [cost(n) for n in (1, 2, 3, 4, 5)] == [6.49, 6.49, 6.49, 6.49, 7.3]
+    lengths = DraftLengths(4, StepCost({1: 7.25, 2: 8.28, 3: 9.34, 4: 6.49, 5: 7.3}))
+    assert lengths.choose("a", batch=1) > 0  # the prior's 60% pays for a nearly free row
 
 
 def test_expected_tokens():
@@ -166,3 +175,39 @@ def test_drafts_ride_along_a_prompt_chunk_that_decode_steps_would_not_pay_for():
     for _ in range(20):
         lengths.observe("a", 4, 0)  # all rejected: not even a cheap row pays then
     assert lengths.choose("a", batch=16, prompt_step=(0.9, 1500)) == 0
+
+
+def test_a_row_count_priced_out_by_the_table_alone_is_tried_until_timed():
+    """The start-up table prices an extra row at a whole step: nobody drafts, so no step of 2
+    rows would ever be timed to correct it. After PROBE_AFTER quiet steps one draft is tried,
+    until MIN_SAMPLES steps of 2 rows were timed; then the learned cost decides: where they
+    are nearly free the sequence drafts on its own, where they cost what the table said it
+    stops, and the probes stop too."""
+    def run(two_rows_s: float, steps: int) -> list[int]:
+        lengths = DraftLengths(4, StepCost({1: 1.0, 2: 2.0, 8: 8.0}))
+        for _ in range(5):
+            lengths.observe("a", 2, 1)  # half accepted
+        chosen = []
+        for _ in range(steps):
+            k = lengths.choose("a", batch=1)
+            chosen.append(k)
+            lengths.end_step(k > 0)
+            if k == 0:
+                lengths.observe_step(1, 1.0)
+            else:
+                lengths.observe_step(1 + k, two_rows_s + (k - 1))
+        return chosen
+
+    cheap = run(1.05, 6 * PROBE_AFTER)
+    assert cheap.index(1) == PROBE_AFTER  # not before
+    third = [i for i, k in enumerate(cheap) if k][2]
+    assert third == 3 * PROBE_AFTER + 2  # three probes, PROBE_AFTER quiet steps apart
+    assert all(cheap[third + 1:])  # 2 rows timed at 1.05: drafting pays, every step
+
+    dear = run(2.0, 12 * PROBE_AFTER)
+    assert sum(k > 0 for k in dear) == LearnedStepCost.MIN_SAMPLES  # probes, then no more
+    lengths = DraftLengths(4, StepCost({1: 1.0, 2: 2.0}))
+    for _ in range(2 * PROBE_AFTER):
+        lengths.end_step(False)
+    assert lengths.choose("a", batch=1, prompt_step=(2.0, 1)) == 0  # a prompt step: no probe
+    assert lengths.choose("a", batch=1) == 1  # where a decode step would have probed

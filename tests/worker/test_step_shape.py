@@ -76,3 +76,24 @@ def test_real_measurement_on_a_tiny_model(tiny_model_dir):
     assert f"step budget {budget} tokens (measured here: a 4-sequence decode step" in llm.engine.describe()
     out = llm.generate([[(3 + i) % 380 for i in range(300)]], SamplingParams(max_tokens=2, temperature=0))
     assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_row_costs_are_timed_in_interleaved_rounds(monkeypatch):
+    """Each round times every size in turn (a slow moment costs one timing of several sizes,
+    not all of one size's), after one warm-up; each size keeps its fastest round."""
+    order: list[int] = []
+    times = iter([0.0] + [9.0, 2.0, 3.0, 1.0, 5.0, 3.5, 1.5, 2.5, 4.0])  # warm-up, then rounds
+
+    def runner(model, projections, tokens, with_head):
+        assert tokens == 4 and with_head
+
+        def run(rows):
+            order.append(rows)
+            return next(times)
+        return run
+
+    monkeypatch.setattr(step_shape, "_projections", lambda model: [])
+    monkeypatch.setattr(step_shape, "_pass_runner", runner)
+    costs = step_shape.measure_row_costs(object(), (1, 2, 4))
+    assert order == [4, 1, 2, 4, 1, 2, 4, 1, 2, 4]
+    assert costs == {1: 1.0, 2: 2.0, 4: 3.0}
