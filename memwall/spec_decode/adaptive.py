@@ -217,8 +217,11 @@ class DraftLengths:
             per_row = base / max(1, tokens)
             verify = lambda k: k * per_row  # noqa: E731
         else:
+            # never below nothing: steps of a count seen cold (one-row steps follow prefills)
+            # can average above those of the next, and a row priced below zero is drafted
+            # whatever its acceptance
             base = self.cost(rows)
-            verify = lambda k: self.cost(rows + k) - base  # noqa: E731
+            verify = lambda k: max(0.0, self.cost(rows + k) - base)  # noqa: E731
         best_k, best_gain = 0, MIN_GAIN
         for k in range(1, self.max_k + 1):
             extra = verify(k) + k * drafting

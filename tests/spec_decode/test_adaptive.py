@@ -211,3 +211,17 @@ def test_a_row_count_priced_out_by_the_table_alone_is_tried_until_timed():
         lengths.end_step(False)
     assert lengths.choose("a", batch=1, prompt_step=(2.0, 1)) == 0  # a prompt step: no probe
     assert lengths.choose("a", batch=1) == 1  # where a decode step would have probed
+
+
+def test_a_learned_row_count_dearer_than_the_next_does_not_make_drafts_free():
+    """One-row steps seen cold (after prefills) average above the two-row steps: an extra row
+    would come out below zero, and a sequence whose drafts are never accepted would draft on
+    (its 0 tokens still beat a negative price). Priced at no less than nothing, it stops."""
+    lengths = DraftLengths(4, StepCost({1: 1.0, 2: 1.1, 8: 1.8}))
+    for _ in range(LearnedStepCost.MIN_SAMPLES):
+        lengths.observe_step(1, 1.3)
+        lengths.observe_step(2, 1.0)
+    assert lengths.cost(2) < lengths.cost(1)
+    for _ in range(20):
+        lengths.observe("a", 2, 0)  # nothing accepted
+    assert lengths.choose("a", batch=1) == 0
