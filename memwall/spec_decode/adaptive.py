@@ -63,7 +63,7 @@ class StepCost:
     never corrected by the steps the engine runs: sequences then do not draft, and no step of
     that many rows is seen (LearnedStepCost). Measured on a 2-core EPYC, one start-up timed 1
     row at 7.25 ms and 4 rows at 6.49 ms: 2 rows then cost 2 ms more than 1 (~0.3 of a step),
-    and an EAGLE run drafted 43 tokens in 8 chats (1.0x)."""
+    and an EAGLE run drafted 43 tokens in 8 chats (14 verifications in ~1,000 steps)."""
 
     def __init__(self, seconds: dict[int, float]) -> None:
         if not seconds or min(seconds) < 1:
