@@ -220,7 +220,7 @@ class ModelRunner:
                 self.draft_lengths.observe_step(step[1], step[0])  # adaptive draft lengths
             if self.proposer.wants_features:
                 self._record_features(sched, inputs, hidden, out)
-            self._propose(sched, out, step)
+            self._propose(sched, out)
         return out
 
     def _prepare_lora(self, sched: SchedulerOutput) -> bool:
@@ -359,18 +359,17 @@ class ModelRunner:
             self.draft_lengths.observe(v.request_id, len(drafts), accepted)
             offset = span.stop
 
-    def _propose(self, sched: SchedulerOutput, out: RunnerOutput, step: tuple[float, int]) -> None:
+    def _propose(self, sched: SchedulerOutput, out: RunnerOutput) -> None:
         """Drafts for the next step of every held sequence that got a token, as many as pay
-        (spec_decode/adaptive.py), none above disable_by_batch_size running sequences.
-        ``step``: (seconds, tokens) of this step, the price of a row in the next one when a
-        prompt is still being read (a sequence of this step got no token: its chunk was not
-        its prompt's last)."""
+        (spec_decode/adaptive.py), none above disable_by_batch_size running sequences and none
+        while a prompt is still being read (a sequence of this step got no token: its chunk
+        was not its prompt's last, so the next step carries a prompt chunk; adaptive.py says
+        why)."""
         batch = len(sched.num_scheduled_tokens)
         limit = self.spec.disable_by_batch_size
         if limit is not None and batch > limit:
             return
         reading = any(rid not in out.sampled for rid in sched.num_scheduled_tokens)
-        prompt_step = step if reading else None
         candidates = []
         for request_id, sampled in out.sampled.items():
             row = self.rows.row_of.get(request_id)
@@ -379,12 +378,14 @@ class ModelRunner:
             if request_id not in out.accepted_drafts:
                 self.draft_lengths.idle(request_id)
             candidates.append((request_id, sampled, row))
+        if reading:
+            return
         # the likeliest to be accepted choose first: each prices its drafts against the rows
         # the ones before it added to the step (adaptive.py)
         candidates.sort(key=lambda c: -self.draft_lengths.rate(c[0]))
         requests, drafted = [], 0
         for request_id, sampled, row in candidates:
-            k = self.draft_lengths.choose(request_id, batch, drafted, prompt_step)
+            k = self.draft_lengths.choose(request_id, batch, drafted)
             if k == 0:
                 continue
             drafted += k

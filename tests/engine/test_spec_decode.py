@@ -179,29 +179,29 @@ def test_adaptive_drafting_learns_the_cost_of_the_steps_it_runs(tiny_llama):
     assert 0 < learned(seen) < 1.0  # seconds, learned from real steps
 
 
-def test_sequences_draft_against_the_prompt_chunk_the_next_step_carries(tiny_llama):
-    """While a long prompt is read in chunks, the decoding sequences beside it price their
-    drafts as rows of a prefill step (the step's seconds and tokens); once it is read, as
-    rows of a decode step again."""
-    llm = LLM(str(tiny_llama), speculative_config={**NGRAM, "adaptive": True},
+def test_no_drafts_while_a_prompt_is_read_in_chunks(tiny_llama):
+    """While a long prompt is read 24 tokens a step, the short sequence decoding beside it
+    drafts nothing (a step carrying a prompt chunk goes the prefill way, and drafts there cost
+    more than they brought); once the prompt is read, it drafts again."""
+    llm = LLM(str(tiny_llama), speculative_config={**NGRAM, "adaptive": False},
               num_kv_blocks=256, block_size=4, max_num_batched_tokens=24)
-    runner = llm.engine.core.executor.worker.runner
-    choose, seen = runner.draft_lengths.choose, []
+    core = llm.engine.core
+    execute, steps = core.executor.execute, []
 
-    def recorded(request_id, batch, drafted=0, prompt_step=None):
-        seen.append(prompt_step)
-        return choose(request_id, batch, drafted, prompt_step)
+    def recorded(sched):
+        if not sched.is_empty:
+            chunk = any(n > 1 + len(sched.spec_token_ids.get(r) or ())
+                        for r, n in sched.num_scheduled_tokens.items())
+            steps.append((chunk, sum(len(d or ()) for d in sched.spec_token_ids.values())))
+        return execute(sched)
 
-    runner.draft_lengths.choose = recorded
-    short = [7, 81, 9, 120, 11] * 2
-    long = [rng % 300 + 5 for rng in range(150)]  # read 24 tokens a step, beside the short one
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    llm.generate([short, long], params)
-    chunked = [s for s in seen if s is not None]
-    assert len(chunked) >= 4  # the short one's steps while the long prompt was read
-    assert all(0 < seconds and tokens == 24 for seconds, tokens in chunked)
-    assert seen[-1] is None  # decode steps at the end
-
+    core.executor.execute = recorded
+    short = [7, 81, 9, 120, 11] * 2  # a repeated phrase: drafts exist
+    long = [rng % 300 + 5 for rng in range(150)]
+    llm.generate([short, long], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    reading = [drafts for chunk, drafts in steps if chunk]
+    assert len(reading) >= 5 and not any(reading[1:])  # the first: both prompts, nothing to verify
+    assert sum(drafts for chunk, drafts in steps if not chunk) > 0  # drafts again afterwards
 
 def test_a_drafters_first_call_on_a_sequence_is_not_timed_as_drafting(tiny_llama):
     """The call that drafts a sequence's first tokens also feeds the drafter its prompt, once

@@ -163,20 +163,6 @@ def test_real_steps_that_cost_more_than_the_table_stop_the_drafting_it_promised(
     assert lengths.choose("a", batch=1) == 0
 
 
-def test_drafts_ride_along_a_prompt_chunk_that_decode_steps_would_not_pay_for():
-    """Sixteen sequences, decode rows costing as much as they yield: no drafts in a decode
-    step. When the next step carries a prompt chunk (1,500 tokens in 0.9 s), a draft row
-    costs 1/1,500 of it, and a sequence accepted 60% of the time drafts its most."""
-    lengths = DraftLengths(4, StepCost({1: 1.0, 16: 16.0, 32: 32.0}))
-    for _ in range(5):
-        lengths.observe("a", 4, 2)
-    assert lengths.choose("a", batch=16) == 0
-    assert lengths.choose("a", batch=16, prompt_step=(0.9, 1500)) == 4
-    for _ in range(20):
-        lengths.observe("a", 4, 0)  # all rejected: not even a cheap row pays then
-    assert lengths.choose("a", batch=16, prompt_step=(0.9, 1500)) == 0
-
-
 def test_a_row_count_priced_out_by_the_table_alone_is_tried_until_timed():
     """The start-up table prices an extra row at a whole step: nobody drafts, so no step of 2
     rows would ever be timed to correct it. After PROBE_AFTER quiet steps one draft is tried,
@@ -206,11 +192,6 @@ def test_a_row_count_priced_out_by_the_table_alone_is_tried_until_timed():
 
     dear = run(2.0, 12 * PROBE_AFTER)
     assert sum(k > 0 for k in dear) == LearnedStepCost.MIN_SAMPLES  # probes, then no more
-    lengths = DraftLengths(4, StepCost({1: 1.0, 2: 2.0}))
-    for _ in range(2 * PROBE_AFTER):
-        lengths.end_step(False)
-    assert lengths.choose("a", batch=1, prompt_step=(2.0, 1)) == 0  # a prompt step: no probe
-    assert lengths.choose("a", batch=1) == 1  # where a decode step would have probed
 
 
 def test_a_learned_row_count_dearer_than_the_next_does_not_make_drafts_free():
