@@ -205,14 +205,13 @@ class DraftLengths:
         drafting = self.draft_cost(batch) / batch if self.draft_cost is not None else 0.0
         if self.drafting_s is not None:
             drafting = max(drafting, self.drafting_s)
-        # never below nothing: steps of a count seen cold (one-row steps follow prefills) can
-        # average above those of the next, and a row priced below zero is drafted whatever its
-        # acceptance
         base = self.cost(rows)
-        verify = lambda k: max(0.0, self.cost(rows + k) - base)  # noqa: E731
         best_k, best_gain = 0, MIN_GAIN
         for k in range(1, self.max_k + 1):
-            extra = verify(k) + k * drafting
+            # never below nothing: steps of a count seen cold (one-row steps follow prefills)
+            # can average above those of the next, and a row priced below zero is drafted
+            # whatever its acceptance
+            extra = max(0.0, self.cost(rows + k) - base) + k * drafting
             gain = expected_tokens(rate, k) - 1.0 - extra * batch / base
             if gain > best_gain:
                 best_k, best_gain = k, gain

@@ -215,9 +215,9 @@ class ModelRunner:
                                   rows.top_k)
             out.prompt_logprobs[rows.request_id] = _logprob_dicts(lp)
         if self.proposer is not None:
-            step = (time.perf_counter() - started, len(inputs.input_ids))
-            if not attn.prefill_seq_ids:  # a decode/verify step: what its rows cost, for the
-                self.draft_lengths.observe_step(step[1], step[0])  # adaptive draft lengths
+            if not attn.prefill_seq_ids:  # a decode/verify step: what its rows cost, for
+                self.draft_lengths.observe_step(  # the adaptive draft lengths
+                    len(inputs.input_ids), time.perf_counter() - started)
             if self.proposer.wants_features:
                 self._record_features(sched, inputs, hidden, out)
             self._propose(sched, out)
