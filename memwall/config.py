@@ -233,7 +233,10 @@ class SpeculativeConfig:
     requantize: str | None = None
     """draft_model with a GGUF drafter: "q4_1" (or "q4_0") rounds the drafter's weights that
     memory keeps a byte a code (Q5_0, Q8_0, Q6_K...) to that 4-bit type at load, so a drafted
-    token reads ~0.6x the bytes. Lossy for the drafts only: the target verifies every one."""
+    token reads ~0.6x the bytes. eagle on CPU: "q4_1" keeps the head's matmuls and the LM head rows it
+    drafts from (draft_vocab_size's, else the whole vocabulary's, a copy) as 4-bit codes with a
+    scale and an offset per 32 values (Q4_1's form; int8 codes otherwise). Lossy for the drafts
+    only: the target verifies every one."""
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -259,11 +262,13 @@ class SpeculativeConfig:
                                  f"{self.draft_vocab_size!r}")
 
         if self.requantize is not None:
-            if self.method != "draft_model":
-                raise ValueError("requantize applies to the draft_model method (a GGUF drafter's "
-                                 "weights)")
-            if self.requantize not in ("q4_0", "q4_1"):
-                raise ValueError(f"requantize must be q4_0 or q4_1, got {self.requantize!r}")
+            if self.method not in ("draft_model", "eagle"):
+                raise ValueError("requantize applies to the draft_model and eagle methods (a "
+                                 "drafter's weights)")
+            choices = ("q4_0", "q4_1") if self.method == "draft_model" else ("q4_1",)
+            if self.requantize not in choices:
+                raise ValueError(f"requantize must be {' or '.join(choices)} for the "
+                                 f"{self.method} method, got {self.requantize!r}")
 
     @classmethod
     def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":

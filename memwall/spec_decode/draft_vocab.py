@@ -27,14 +27,19 @@ class DraftVocabError(ValueError):
 class DraftVocabHead(nn.Module):
     """Logits of token ids 0 .. N-1 from a model's LM head (its first N output rows, copied;
     q4/q8 rows packed into panels like the model's own weights). Greedy drafting needs only
-    their argmax, which is the full head's argmax whenever that lies below N."""
+    their argmax, which is the full head's argmax whenever that lies below N.
 
-    def __init__(self, lm_head: nn.Module, size: int) -> None:
+    ``four_bit``: the copy is rounded to 4-bit codes (int4, a scale and an offset per 32
+    values) whatever the head's own type; N may then be the whole vocabulary. An EAGLE head
+    drafts from the target's LM head (SmolLM2's is Q8_0): its 8,192 first rows are 5.0 MB as
+    Q8_0 and 3.4 MB as int4, read once a drafted token."""
+
+    def __init__(self, lm_head: nn.Module, size: int, four_bit: bool = False) -> None:
         super().__init__()
         from memwall.distributed.tensor_parallel import ShardError, take_rows
 
         vocab = lm_head.out_features
-        if not 1 <= size < vocab:
+        if not 1 <= size <= vocab - (not four_bit):
             raise DraftVocabError(f"draft_vocab_size must be in 1..{vocab - 1} for this model's "
                                   f"{vocab}-token head, got {size}")
         rows = torch.arange(size, device=_device_of(lm_head))
@@ -42,6 +47,8 @@ class DraftVocabHead(nn.Module):
             self.rows = take_rows(lm_head, rows)
         except ShardError as e:
             raise DraftVocabError(f"draft_vocab_size: the LM head cannot be cut ({e})") from None
+        if four_bit:
+            self.rows = _as_int4(self.rows)
         if rows.device.type == "cpu":
             from memwall.quant.packing import pack_model
             pack_model(self)
@@ -54,6 +61,23 @@ class DraftVocabHead(nn.Module):
         return self.rows(hidden).float()  # [n, size]: ids 0 .. size - 1
 
 
+@torch.no_grad()  # not inference_mode: packing the result rewrites its codes in place
+def _as_int4(layer: nn.Module) -> nn.Module:
+    """``layer`` (any Linear or QuantLinear, bias-free) rounded to int4 codes. Its float weight
+    is read back through its own forward on the identity: each output is one weight times
+    1.0, so whatever its kernel and layout (packed panels permute codes in place), this is its
+    weight as it computes it."""
+    from memwall.quant.transform import quantize_model
+
+    eye = torch.eye(layer.in_features, device=_device_of(layer))
+    holder = nn.Module()
+    holder.rows = nn.Linear(layer.in_features, layer.out_features, bias=False,
+                            device=eye.device).requires_grad_(False)
+    holder.rows.weight.copy_(layer(eye).float().t())
+    quantize_model(holder, "int4")
+    return holder.rows
+
+
 def _device_of(module: nn.Module) -> torch.device:
     tensor = next(iter(module.parameters()), None)
     if tensor is None:
@@ -61,9 +85,13 @@ def _device_of(module: nn.Module) -> torch.device:
     return tensor.device if tensor is not None else torch.device("cpu")
 
 
-def draft_head(model: nn.Module, size: int | None):
+def draft_head(model: nn.Module, size: int | None, four_bit: bool = False):
     """What turns a drafter's hidden states into logits whose argmax is the draft:
-    ``model.compute_logits`` (every id), or a DraftVocabHead over the first ``size`` ids."""
-    if size is None or size >= model.lm_head.out_features:
+    ``model.compute_logits`` (every id), or a DraftVocabHead over the first ``size`` ids (all
+    of them when ``four_bit`` asks for a 4-bit copy)."""
+    vocab = model.lm_head.out_features
+    if four_bit:
+        return DraftVocabHead(model.lm_head, min(size or vocab, vocab), four_bit=True)
+    if size is None or size >= vocab:
         return model.compute_logits
     return DraftVocabHead(model.lm_head, size)

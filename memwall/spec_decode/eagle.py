@@ -67,16 +67,18 @@ class EagleHead(nn.Module):
             x = layer(x, rope, kv_cache, meta)
         return x
 
-    def quantize_for_cpu(self) -> str:
-        """The head's matmuls as per-channel int8 codes in the native kernels' packed panels,
-        q/k/v and gate/up joined as in the target: a drafted token then reads ~4 MiB of the
-        head's weights instead of ~17 MiB of float32 (SmolLM2's shape). Only drafts come from
-        it, and the target verifies them: output is unchanged. Returns what was quantized."""
+    def quantize_for_cpu(self, method: str = "int8") -> str:
+        """The head's matmuls as per-channel int8 codes (``method`` "int4": 4-bit codes, a
+        scale and an offset per 32 values) in the native kernels' packed panels, q/k/v and
+        gate/up joined as in the target: a drafted token then reads ~4 MiB (int4 ~3 MiB) of
+        the head's weights instead of ~17 MiB of float32 (SmolLM2's shape). Only drafts come
+        from it, and the target verifies them: output is unchanged. Returns what was
+        quantized."""
         from memwall.models.llama import fuse_layer_projections
         from memwall.quant.packing import pack_model
         from memwall.quant.transform import quantize_model
 
-        report = quantize_model(self, "int8")
+        report = quantize_model(self, method)
         for layer in self.layers:
             fuse_layer_projections(layer)
         pack_model(self)
@@ -283,4 +285,6 @@ class EagleProposer(Proposer):
         else:
             attn = self.cache.metadata(self.backend, spans)
             out = self.head(embeds, feats, positions, self.cache.kv_caches, attn)
+        if out.shape[0] == len(inputs):  # one entry a sequence (every draft after the first)
+            return out
         return out[torch.tensor(list(accumulate(len(t) for _, t, _ in inputs)), device=dev) - 1]

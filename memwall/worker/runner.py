@@ -92,13 +92,13 @@ class ModelRunner:
             from memwall.spec_decode.eagle import EagleProposer, load_eagle_head
             head = load_eagle_head(spec.model, self.arch).to(self.device)
             caches = allocate_kv_cache(head.config, plan, dtype, self.device)
-            fast = None
-            if self.device.type == "cpu":  # int8 panels, and the fused step over its layer
+            fast, four_bit = None, spec.requantize is not None and self.device.type == "cpu"
+            if self.device.type == "cpu":  # int8/int4 panels, and the fused step over its layer
                 from memwall.worker.cpu_decode import FusedCpuDecode
-                head.quantize_for_cpu()
+                head.quantize_for_cpu("int4" if four_bit else "int8")
                 fast = FusedCpuDecode.build(head.native_view(), caches)
             return EagleProposer(head, self.model, caches, plan.block_size, self.attn_backend,
-                                 draft_head(self.model, spec.draft_vocab_size), fast)
+                                 draft_head(self.model, spec.draft_vocab_size, four_bit), fast)
         if spec.method != "draft_model":
             return make_proposer(spec)
         if draft is None:

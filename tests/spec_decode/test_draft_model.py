@@ -205,8 +205,9 @@ def test_a_requantized_drafter_keeps_greedy_output_and_drafts_from_4_bit_weights
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"method": "ngram", "requantize": "q4_1"}, "requantize applies to the draft_model method"),
+    ({"method": "ngram", "requantize": "q4_1"}, "requantize applies to the draft_model and eagle"),
     ({"method": "draft_model", "model": "x.gguf", "requantize": "int4"}, "q4_0 or q4_1"),
+    ({"method": "eagle", "model": "head", "requantize": "q4_0"}, "q4_1 for the eagle method"),
 ])
 def test_requantize_is_checked_in_the_config(config, message):
     from memwall.config import SpeculativeConfig

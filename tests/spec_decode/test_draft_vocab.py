@@ -50,6 +50,29 @@ def test_a_packed_quantized_head_cuts_to_the_same_logits(gguf_path):
                                    rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("size", [4096, None])
+def test_a_4_bit_copy_of_the_head_is_within_int4_rounding_of_it(gguf_path, size):
+    """``four_bit`` (an EAGLE head's ``"requantize": "q4_1"``): the copied rows of the packed
+    Q8_0 head become int4 codes, a scale and an offset per 32 values; their logits differ
+    from the head's by int4's rounding, not more, and the whole vocabulary may be copied."""
+    from memwall.quant.packing import pack_model
+
+    model = load_model(str(gguf_path)).model
+    pack_model(model)
+    vocab = model.lm_head.out_features
+    head = draft_head(model, size, four_bit=True)
+    rows = size or vocab
+    assert isinstance(head, DraftVocabHead) and head.out_features == rows
+    assert head.rows.source == "int4 g32" and model.lm_head.source == "gguf Q8_0"
+    hidden = torch.randn(16, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    full = model.compute_logits(hidden)[:, :rows]
+    cut = head(hidden)
+    err = (cut - full).norm() / full.norm()
+    assert 0 < err < 0.15, err  # rounded (not a copy of the Q8_0 rows), by 4-bit steps only
+    agree = (cut.argmax(-1) == full.argmax(-1)).float().mean()
+    assert agree >= 0.75, agree
+
+
 def _proposer(llm):
     return llm.engine.core.executor.worker.runner.proposer
 

@@ -256,6 +256,37 @@ def test_on_cpu_the_head_drafts_from_int8_panels_close_to_its_float_weights(tiny
     assert llm.engine.core.scheduler.stats.spec_num_verify_steps > 3
 
 
+@pytest.mark.parametrize("vocab", [None, 200])
+def test_a_requantized_head_drafts_from_4_bit_weights_with_greedy_output_unchanged(
+        tiny_target, tiny_head, vocab):
+    """``"requantize": "q4_1"``: the head's matmuls and the LM head rows it drafts from (the
+    draft vocabulary's, or a copy of the whole head) are int4 codes; the target's own head is
+    untouched, its drafts still get accepted, and the output is the plain output."""
+    from memwall import LLM, SamplingParams
+    from memwall.spec_decode.draft_vocab import DraftVocabHead
+
+    config = {**eagle(tiny_head, k=3), "requantize": "q4_1", "draft_vocab_size": vocab}
+    llm = LLM(str(tiny_target), speculative_config=config, num_kv_blocks=128, block_size=4)
+    proposer = llm.engine.core.executor.worker.runner.proposer
+    layer = proposer.head.layers[0]
+    for part in (proposer.head.fc, layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert part.source == "int4 g32"
+    assert isinstance(proposer.logits, DraftVocabHead) and proposer.logits.rows.source == "int4 g32"
+    target = llm.engine.core.executor.worker.runner.model
+    assert proposer.logits.out_features == (vocab or target.lm_head.out_features)
+    assert type(target.lm_head) is torch.nn.Linear  # the verifier keeps its float head
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [[5 + i, 17, 33, 2 * i + 40] * 5 for i in range(3)]
+    plain = LLM(str(tiny_target), num_kv_blocks=128, block_size=4).generate(prompts, params)
+    out = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+    stats = llm.engine.core.scheduler.stats
+    assert stats.spec_num_draft_tokens > 0
+    if vocab is None:  # the random head's drafts of the whole vocabulary: some hit
+        assert stats.spec_num_accepted_tokens > 0
+    assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+
+
 @torch.inference_mode()
 def test_the_fused_c_step_drafts_what_the_heads_torch_forward_drafts(tiny_target, tiny_head):
     """A quantized head's draft steps (and its catch-ups of a few entries) take the fused C
