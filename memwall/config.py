@@ -238,6 +238,11 @@ class SpeculativeConfig:
     scale and an offset per 32 values (Q4_1's form; int8 codes otherwise). Lossy for the drafts
     only: the target verifies every one."""
 
+    lookup_first: bool = False
+    """draft_model / eagle: a sequence whose last tokens recur earlier in it drafts what
+    followed there (the ngram method's prompt lookup, prompt_lookup_min/max: free), the
+    drafter only where none does (memwall/spec_decode/lookup_first.py)."""
+
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(SPEC_METHODS)}, got "
@@ -261,6 +266,9 @@ class SpeculativeConfig:
                 raise ValueError(f"draft_vocab_size must be a positive integer, got "
                                  f"{self.draft_vocab_size!r}")
 
+        if self.lookup_first is not False and (self.method == "ngram" or self.lookup_first is not True):
+            raise ValueError("lookup_first is true or false, for the draft_model and eagle "
+                             "methods (ngram drafts by lookup alone)")
         if self.requantize is not None:
             if self.method not in ("draft_model", "eagle"):
                 raise ValueError("requantize applies to the draft_model and eagle methods (a "
@@ -452,7 +460,7 @@ class EngineArgs:
         None, "speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", "
               "\"num_speculative_tokens\": 4}' (keys: method, num_speculative_tokens, "
               "prompt_lookup_max, prompt_lookup_min, model, disable_by_batch_size, adaptive, "
-              "draft_vocab_size, requantize)")
+              "draft_vocab_size, requantize, lookup_first)")
     structured_outputs_backend: str = _arg(
         "llguidance", "grammar backend for structured outputs (JSON schema, regex, choice, "
                       "grammar): llguidance, or xgrammar (pip install xgrammar)")

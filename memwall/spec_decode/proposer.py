@@ -36,3 +36,9 @@ class Proposer(ABC):
 
     def forget(self, request_ids: list[str]) -> None:
         """These sequences finished or lost their KV: drop anything kept for them."""
+
+    def priced_tokens(self, drafts: dict[str, list[int]]) -> int:
+        """How many of ``drafts`` (this proposer's last answer) cost drafting time: the
+        adaptive draft lengths divide the call's time by it. All of them, unless some were
+        drafted for free (lookup_first.py)."""
+        return sum(len(d) for d in drafts.values())

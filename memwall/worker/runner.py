@@ -87,6 +87,16 @@ class ModelRunner:
 
     def _make_proposer(self, spec: SpeculativeConfig, draft: LoadedModel | None,
                        plan: KVCachePlan, dtype: torch.dtype) -> Proposer:
+        proposer = self._make_drafter(spec, draft, plan, dtype)
+        if not spec.lookup_first:
+            return proposer
+        from memwall.spec_decode.lookup_first import LookupFirstProposer
+        from memwall.spec_decode.ngram import NgramProposer
+        return LookupFirstProposer(NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max),
+                                   proposer)
+
+    def _make_drafter(self, spec: SpeculativeConfig, draft: LoadedModel | None,
+                      plan: KVCachePlan, dtype: torch.dtype) -> Proposer:
         from memwall.spec_decode.draft_vocab import draft_head
         if spec.method == "eagle":
             from memwall.spec_decode.eagle import EagleProposer, load_eagle_head
@@ -399,7 +409,7 @@ class ModelRunner:
         out.draft_token_ids = self.proposer.propose(requests)
         if all(self.draft_lengths.knows(r.request_id) for r in requests):  # no prompt read
             self.draft_lengths.observe_drafting(time.perf_counter() - started,
-                                                sum(len(d) for d in out.draft_token_ids.values()))
+                                                self.proposer.priced_tokens(out.draft_token_ids))
 
     def _sampling_row(self, request_id: str, forks: dict) -> tuple:
         """(params, prompt ids, output ids, banned ids) of one sampling row. The token lists

@@ -1,0 +1,101 @@
+"""Prompt lookup first, a drafter for the rest (speculative_config "lookup_first"): a sequence
+with a lookup match drafts its continuation, the others go to the drafter, only the drafter's
+tokens are priced as drafting time, the drafter keeps following every sequence, and greedy
+output equals plain decoding with both sources drafting in one batch."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from memwall import LLM, SamplingParams
+from memwall.config import SpeculativeConfig
+from memwall.spec_decode.lookup_first import LookupFirstProposer
+from memwall.spec_decode.ngram import NgramProposer
+from memwall.spec_decode.proposer import DraftRequest, Proposer
+
+
+class Recorder(Proposer):
+    """A drafter that drafts [7] * k and notes what it was asked and handed."""
+
+    wants_features = True
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+        self.recorded: list[tuple[str, int]] = []
+        self.forgotten: list[str] = []
+
+    def propose(self, requests):
+        self.asked += [r.request_id for r in requests]
+        return {r.request_id: [7] * r.max_drafts for r in requests}
+
+    def record(self, request_id, start, features):
+        self.recorded.append((request_id, start))
+
+    def forget(self, request_ids):
+        self.forgotten += request_ids
+
+
+def test_matched_sequences_draft_by_lookup_the_others_by_the_drafter():
+    drafter = Recorder()
+    proposer = LookupFirstProposer(NgramProposer(2, 3), drafter)
+    repeats = DraftRequest("repeats", np.array([1, 2, 3, 4, 5, 1, 2, 3]), 3)  # "2 3" recurs: 4 5 1
+    fresh = DraftRequest("fresh", np.array([9, 8, 6, 5, 4]), 2)
+    drafts = proposer.propose([repeats, fresh])
+    assert drafts == {"repeats": [4, 5, 1], "fresh": [7, 7]}
+    assert drafter.asked == ["fresh"]
+    assert proposer.priced_tokens(drafts) == 2  # the lookup's three were free
+    assert proposer.wants_features
+    proposer.record("repeats", 8, None)  # every sequence's features reach the drafter
+    proposer.forget(["repeats"])
+    assert drafter.recorded == [("repeats", 8)] and drafter.forgotten == ["repeats"]
+    assert proposer.propose([repeats]) == {"repeats": [4, 5, 1]}
+    assert proposer.priced_tokens({"repeats": [4, 5, 1]}) == 0
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "ngram", "lookup_first": True}, "lookup_first"),
+    ({"method": "eagle", "model": "head", "lookup_first": "yes"}, "lookup_first is true or false"),
+])
+def test_lookup_first_is_checked_in_the_config(config, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(config)
+
+
+def test_greedy_equals_plain_with_both_sources_drafting(target, noisy_draft):
+    """A draft model with lookup first, prompts that repeat (lookup matches) beside random
+    ones (the drafter's), in one batch and with preemption: the plain output, both sources
+    drafted and got drafts accepted, and no block leaked."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(4, 380) for _ in range(rng.randrange(2, 40))] for _ in range(6)]
+    prompts += [[5 + i, 17, 33, 2 * i + 40] * 6 for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = LLM(str(target), num_kv_blocks=256, block_size=4).generate(prompts, params)
+    config = {"method": "draft_model", "model": str(noisy_draft), "num_speculative_tokens": 4,
+              "adaptive": False, "lookup_first": True, "prompt_lookup_min": 1,
+              "prompt_lookup_max": 2}  # one-token matches: the random model rarely repeats more
+    llm = LLM(str(target), speculative_config=config, num_kv_blocks=60, block_size=4,
+              max_num_seqs=6, max_num_batched_tokens=40)
+    proposer = llm.engine.core.executor.worker.runner.proposer
+    assert isinstance(proposer, LookupFirstProposer)
+    drafted = {"lookup": 0, "drafter": 0}
+    lookup_propose, drafter_propose = proposer.lookup.propose, proposer.drafter.propose
+
+    def count(source, fn):
+        def wrapped(requests):
+            drafts = fn(requests)
+            drafted[source] += sum(len(d) for d in drafts.values())
+            return drafts
+        return wrapped
+
+    proposer.lookup.propose = count("lookup", lookup_propose)
+    proposer.drafter.propose = count("drafter", drafter_propose)
+    out = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+    assert drafted["lookup"] > 20 and drafted["drafter"] > 20, drafted
+    core = llm.engine.core
+    assert core.scheduler.num_preemptions > 0
+    assert core.scheduler.stats.spec_num_accepted_tokens > 0
+    assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
