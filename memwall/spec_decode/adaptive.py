@@ -230,8 +230,16 @@ class DraftLengths:
                 and self.cost.samples(rows) < LearnedStepCost.MIN_SAMPLES)
 
     def end_step(self, drafted: bool) -> None:
-        """Once a step, after its sequences chose: whether any of them drafts."""
+        """Once a step, after its sequences chose: whether any of them drafts. A step without
+        drafts moves the measured drafting time back towards the start-up figure: a figure
+        too high (one slow call) would otherwise stand for good, since only drafting calls
+        update it and it keeps them from happening (as the acceptance estimates drift back to
+        their prior, ``idle``)."""
         self._quiet_steps = 0 if drafted else self._quiet_steps + 1
+        if not drafted and self.drafting_s is not None:
+            floor = self.draft_cost(1) if self.draft_cost is not None else 0.0
+            if self.drafting_s > floor:
+                self.drafting_s = floor + DRAFT_TIME_DECAY * (self.drafting_s - floor)
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """The target ran a decode/verify step of ``rows`` rows in ``seconds``."""

@@ -39,6 +39,6 @@ class Proposer(ABC):
 
     def priced_tokens(self, drafts: dict[str, list[int]]) -> int:
         """How many of ``drafts`` (this proposer's last answer) cost drafting time: the
-        adaptive draft lengths divide the call's time by it. All of them, unless some were
-        drafted for free (lookup_first.py)."""
+        adaptive draft lengths divide the call's time by it (0: the call is not timed). All
+        of them, unless some were drafted for free (lookup_first.py)."""
         return sum(len(d) for d in drafts.values())

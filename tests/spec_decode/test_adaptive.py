@@ -98,6 +98,27 @@ def test_measured_drafting_time_outweighs_a_cheap_start_up_figure():
     assert free.drafting_s is None
 
 
+def test_a_drafting_time_that_stops_all_drafts_fades_back_towards_the_start_up_figure():
+    """One slow proposer call (a drafter reading a whole prompt, timed by mistake) priced its
+    drafts out; no drafting call comes to correct it, so steps without drafts bring the figure
+    back towards the start-up one until the sequence drafts again, and it never goes below."""
+    lengths = DraftLengths(4, StepCost({1: 1.0, 8: 1.2}), draft_cost=StepCost({1: 0.1}))
+    for _ in range(5):
+        lengths.observe("a", 2, 1)
+    lengths.observe_drafting(seconds=4.0, tokens=4)  # 1.0 a token: a step's worth
+    steps = 0
+    while lengths.choose("a", batch=1) == 0:
+        lengths.end_step(False)
+        steps += 1
+        assert steps < 100, lengths.drafting_s
+    assert 5 < steps < 40 and 0.1 < lengths.drafting_s < 0.5
+    for _ in range(200):
+        lengths.end_step(False)
+    assert lengths.drafting_s == pytest.approx(0.1)
+    lengths.end_step(True)  # a step with drafts leaves it to the measurements
+    assert lengths.drafting_s == pytest.approx(0.1)
+
+
 def test_not_adaptive_always_drafts_k():
     lengths = DraftLengths(3, StepCost({1: 1.0, 2: 2.0}), adaptive=False)
     lengths.observe("a", 3, 0)

@@ -46,6 +46,8 @@ def test_matched_sequences_draft_by_lookup_the_others_by_the_drafter():
     drafts = proposer.propose([repeats, fresh])
     assert drafts == {"repeats": [4, 5, 1], "fresh": [7, 7]}
     assert drafter.asked == ["fresh"]
+    assert proposer.priced_tokens(drafts) == 0  # the drafter's first call on "fresh": untimed
+    drafts = proposer.propose([repeats, fresh])
     assert proposer.priced_tokens(drafts) == 2  # the lookup's three were free
     assert proposer.wants_features
     proposer.record("repeats", 8, None)  # every sequence's features reach the drafter
@@ -99,3 +101,20 @@ def test_greedy_equals_plain_with_both_sources_drafting(target, noisy_draft):
     assert core.scheduler.num_preemptions > 0
     assert core.scheduler.stats.spec_num_accepted_tokens > 0
     assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+
+
+def test_a_drafters_catch_up_after_lookup_is_not_timed_as_drafting():
+    """The drafter's first call on a sequence after lookup drafted for it (or ever) also
+    reads what it skipped: that call is not a per-token figure (priced_tokens 0); a call on
+    sequences the drafter also served at their previous proposal is."""
+    proposer = LookupFirstProposer(NgramProposer(2, 3), Recorder())
+    repeats = DraftRequest("a", np.array([1, 2, 3, 4, 5, 1, 2, 3]), 2)
+    fresh = DraftRequest("a", np.array([1, 2, 3, 4, 5, 1, 2, 3, 9, 8]), 2)
+    other = DraftRequest("b", np.array([6, 5, 4]), 2)
+    assert proposer.priced_tokens(proposer.propose([other])) == 0  # b's first call
+    assert proposer.priced_tokens(proposer.propose([other])) == 2
+    assert proposer.priced_tokens(proposer.propose([repeats, other])) == 2  # a by lookup
+    assert proposer.priced_tokens(proposer.propose([fresh, other])) == 0  # a comes to the drafter
+    assert proposer.priced_tokens(proposer.propose([fresh, other])) == 4
+    proposer.forget(["a"])
+    assert proposer.priced_tokens(proposer.propose([fresh])) == 0  # as new again
