@@ -233,10 +233,10 @@ class SpeculativeConfig:
     requantize: str | None = None
     """draft_model with a GGUF drafter: "q4_1" (or "q4_0") rounds the drafter's weights that
     memory keeps a byte a code (Q5_0, Q8_0, Q6_K...) to that 4-bit type at load, so a drafted
-    token reads ~0.6x the bytes. eagle on CPU: "q4_1" keeps the head's matmuls and the LM head rows it
-    drafts from (draft_vocab_size's, else the whole vocabulary's, a copy) as 4-bit codes with a
-    scale and an offset per 32 values (Q4_1's form; int8 codes otherwise). Lossy for the drafts
-    only: the target verifies every one."""
+    token reads ~0.6x the bytes. eagle on CPU: "q4_1" keeps the head's matmuls and the LM head
+    rows it drafts from (draft_vocab_size's, else the whole vocabulary's, a copy) as 4-bit
+    codes with a scale and an offset per 32 values (Q4_1's form; int8 codes otherwise). Lossy
+    for the drafts only: the target verifies every one."""
 
     lookup_first: bool = False
     """draft_model / eagle: a sequence whose last tokens recur earlier in it drafts what
@@ -266,7 +266,8 @@ class SpeculativeConfig:
                 raise ValueError(f"draft_vocab_size must be a positive integer, got "
                                  f"{self.draft_vocab_size!r}")
 
-        if self.lookup_first is not False and (self.method == "ngram" or self.lookup_first is not True):
+        if self.lookup_first is not False and (self.method == "ngram"
+                                               or self.lookup_first is not True):
             raise ValueError("lookup_first is true or false, for the draft_model and eagle "
                              "methods (ngram drafts by lookup alone)")
         if self.requantize is not None:

@@ -42,12 +42,12 @@ class LookupFirstProposer(Proposer):
     def propose(self, requests: list[DraftRequest]) -> dict[str, list[int]]:
         drafts = self.lookup.propose(requests)
         self._looked_up = set(drafts)
-        rest = [r.request_id for r in requests if r.request_id not in drafts]
-        self._timed = all(rid in self._drafted for rid in rest)
+        rest = [r for r in requests if r.request_id not in drafts]
+        self._timed = all(r.request_id in self._drafted for r in rest)
         self._drafted.difference_update(self._looked_up)
-        self._drafted.update(rest)
+        self._drafted.update(r.request_id for r in rest)
         if rest:
-            drafts.update(self.drafter.propose([r for r in requests if r.request_id not in drafts]))
+            drafts.update(self.drafter.propose(rest))
         return drafts
 
     def priced_tokens(self, drafts: dict[str, list[int]]) -> int:

@@ -269,7 +269,8 @@ def test_a_requantized_head_drafts_from_4_bit_weights_with_greedy_output_unchang
     llm = LLM(str(tiny_target), speculative_config=config, num_kv_blocks=128, block_size=4)
     proposer = llm.engine.core.executor.worker.runner.proposer
     layer = proposer.head.layers[0]
-    for part in (proposer.head.fc, layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+    parts = (proposer.head.fc, layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    for part in parts:
         assert part.source == "int4 g32"
     assert isinstance(proposer.logits, DraftVocabHead) and proposer.logits.rows.source == "int4 g32"
     target = llm.engine.core.executor.worker.runner.model
@@ -298,7 +299,8 @@ def test_with_lookup_first_the_head_catches_up_over_the_steps_it_skipped(tiny_ta
     prompts = [[rng.randrange(4, 380) for _ in range(rng.randrange(2, 40))] for _ in range(8)]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     plain = LLM(str(tiny_target), num_kv_blocks=256, block_size=4).generate(prompts, params)
-    config = {**eagle(tiny_head), "lookup_first": True, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    config = {**eagle(tiny_head), "lookup_first": True, "prompt_lookup_min": 1,
+              "prompt_lookup_max": 2}
     llm = LLM(str(tiny_target), speculative_config=config, num_kv_blocks=256, block_size=4)
     proposer = llm.engine.core.executor.worker.runner.proposer
     order = []  # (request id, source) of every draft, in order
