@@ -22,6 +22,8 @@ served had its drafts from the drafter at its previous proposal too (``priced_to
 
 from __future__ import annotations
 
+import numpy as np
+
 from memwall.spec_decode.ngram import NgramProposer
 from memwall.spec_decode.proposer import DraftRequest, Proposer
 
@@ -49,6 +51,10 @@ class LookupFirstProposer(Proposer):
         if rest:
             drafts.update(self.drafter.propose(rest))
         return drafts
+
+    def drafts_free(self, token_ids: np.ndarray) -> bool:
+        """True where lookup has a match: the sequence's drafts will be lookup's."""
+        return bool(self.lookup.lookup(token_ids, 1))
 
     def priced_tokens(self, drafts: dict[str, list[int]]) -> int:
         """The drafter's tokens; 0 (the call is not timed) where the drafter caught up on a

@@ -37,6 +37,12 @@ class Proposer(ABC):
     def forget(self, request_ids: list[str]) -> None:
         """These sequences finished or lost their KV: drop anything kept for them."""
 
+    def drafts_free(self, token_ids: np.ndarray) -> bool:
+        """Whether this sequence's next drafts (``token_ids``: all its tokens) would cost no
+        drafting time: prompt lookup's. The adaptive lengths price them free and keep their
+        acceptance apart from the drafter's (adaptive.py)."""
+        return False
+
     def priced_tokens(self, drafts: dict[str, list[int]]) -> int:
         """How many of ``drafts`` (this proposer's last answer) cost drafting time: the
         adaptive draft lengths divide the call's time by it (0: the call is not timed). All

@@ -390,18 +390,22 @@ class ModelRunner:
             candidates.append((request_id, sampled, row))
         if reading:
             return
+        contexts = []  # (request id, all its tokens, whether its drafts would be free)
+        for request_id, sampled, row in candidates:
+            known = self.rows.token_ids[row, :self.rows.num_tokens[row]]
+            new = [t.token_id for t in out.accepted_drafts.get(request_id, ())] + [sampled.token_id]
+            tokens = np.concatenate([known, new])
+            contexts.append((request_id, tokens, self.proposer.drafts_free(tokens)))
         # the likeliest to be accepted choose first: each prices its drafts against the rows
         # the ones before it added to the step (adaptive.py)
-        candidates.sort(key=lambda c: -self.draft_lengths.rate(c[0]))
+        contexts.sort(key=lambda c: -self.draft_lengths.rate(c[0], c[2]))
         requests, drafted = [], 0
-        for request_id, sampled, row in candidates:
-            k = self.draft_lengths.choose(request_id, batch, drafted)
+        for request_id, tokens, free in contexts:
+            k = self.draft_lengths.choose(request_id, batch, drafted, free)
             if k == 0:
                 continue
             drafted += k
-            known = self.rows.token_ids[row, :self.rows.num_tokens[row]]
-            new = [t.token_id for t in out.accepted_drafts.get(request_id, ())] + [sampled.token_id]
-            requests.append(DraftRequest(request_id, np.concatenate([known, new]), k))
+            requests.append(DraftRequest(request_id, tokens, k))
         self.draft_lengths.end_step(bool(requests))
         if not requests:
             return

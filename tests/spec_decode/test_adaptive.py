@@ -227,3 +227,21 @@ def test_a_learned_row_count_dearer_than_the_next_does_not_make_drafts_free():
     for _ in range(20):
         lengths.observe("a", 2, 0)  # nothing accepted
     assert lengths.choose("a", batch=1) == 0
+
+
+def test_free_drafts_keep_an_estimate_of_their_own_and_no_drafting_price():
+    """lookup_first: one sequence's lookup drafts are accepted, its drafter's rejected. Priced
+    as free (``choose(free=True)``) it drafts on the lookup's record at no drafting time; priced
+    as the drafter's, on the drafter's record and its time: none."""
+    lengths = DraftLengths(4, StepCost({1: 1.0, 8: 1.2}), draft_cost=StepCost({1: 0.3}))
+    for _ in range(6):
+        assert lengths.choose("a", batch=1, free=True) > 0
+        lengths.observe("a", 4, 4)  # the lookup's drafts: all accepted
+        lengths.choose("a", batch=1, free=False)
+        lengths.observe("a", 2, 0)  # the drafter's: none
+    assert lengths.rate("a", free=True) > 0.9 > 0.2 > lengths.rate("a", free=False)
+    assert lengths.choose("a", batch=1, free=True) == 4
+    assert lengths.choose("a", batch=1, free=False) == 0
+    assert lengths.knows("a")
+    lengths.forget(["a"])
+    assert not lengths.knows("a") and lengths.rate("a", free=True) == lengths.rate("b")
