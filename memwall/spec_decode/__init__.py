@@ -18,6 +18,8 @@ Proposers sit behind one small ABC (proposer.py):
                                   allocates that cache, then builds it)
     eagle         eagle.py        an EAGLE-1/2 head (published checkpoint layout) over the
                                   target's hidden states, which the runner hands it each step
+    lookup_first  lookup_first.py prompt lookup where it matches, draft_model's or eagle's
+                                  drafter for the other sequences ("lookup_first": true)
 """
 
 from __future__ import annotations
