@@ -155,7 +155,9 @@ class CacheConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     """Tokens per KV block."""
     kv_cache_memory: int | None = None
-    """Bytes for the KV cache; None = kv_cache_fraction of available memory."""
+    """Bytes for the KV cache, all used (the prefix cache keeps what running sequences do not
+    need); None = kv_cache_fraction of available memory, trimmed to what max_num_seqs
+    sequences at full context can use."""
     kv_cache_fraction: float = 0.25
     """Share of currently available RAM given to the KV cache when kv_cache_memory is unset."""
     num_blocks: int | None = None
@@ -414,7 +416,10 @@ class EngineArgs:
                                      "fp8 (float8 e4m3 weights, a scale per output channel; "
                                      "torch._scaled_mm on cuda, dequantized matmul elsewhere)")
     block_size: int = _arg(DEFAULT_BLOCK_SIZE, "tokens per KV-cache block")
-    kv_cache_memory: int | None = _arg(None, "bytes for the KV cache (default: a fraction of free RAM)")
+    kv_cache_memory: int | None = _arg(None, "bytes for the KV cache, all of them used (blocks past "
+                                             "what the running sequences need keep cached "
+                                             "prefixes); default: a fraction of free RAM, trimmed "
+                                             "to max-num-seqs sequences at full context")
     kv_cache_fraction: float = _arg(0.25, "share of available RAM for the KV cache when "
                                           "--kv-cache-memory is not given")
     num_kv_blocks: int | None = _arg(None, "exact number of KV blocks (overrides the budgets)")

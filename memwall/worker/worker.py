@@ -156,6 +156,7 @@ class Worker:
         """The KV pool: on cuda without an explicit size, what a profiled forward pass leaves of
         gpu_memory_utilization x the device's memory; elsewhere the configured budget."""
         dev, arch, kv_dtype = self.device_config, self.arch, kv_cache_dtype(self.device_config)
+        given = cache.kv_cache_memory is not None  # the user's bytes are all used (plan_kv_cache)
         ranks = self.args.parallel_config().world_size
         if ranks > 1 and cache.num_blocks is None:  # the budget is the host's: ranks share it
             cache = (dataclasses.replace(cache, kv_cache_memory=cache.kv_cache_memory // ranks)
@@ -166,7 +167,8 @@ class Worker:
             self.gpu_memory = profile_gpu_memory(self.model, arch, sched, cache.block_size,
                                                  kv_dtype, dev, choose_backend(dev.device))
             cache = dataclasses.replace(cache, kv_cache_memory=self.gpu_memory.check())
-        return plan_kv_cache(arch, cache, kv_dtype, sched.max_num_seqs * sched.max_model_len)
+        return plan_kv_cache(arch, cache, kv_dtype,
+                             None if given else sched.max_num_seqs * sched.max_model_len)
 
     def init_cache(self, plan: KVCachePlan, max_num_seqs: int, max_model_len: int) -> None:
         dev = self.device_config

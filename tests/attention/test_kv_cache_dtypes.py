@@ -135,3 +135,26 @@ def test_engine_greedy_output_on_a_quantized_cache_is_close_to_fp32(tiny_model_d
     assert f"KV cache {name}" in llm.engine.describe() and "bytes/token" in llm.engine.describe()
     same = np.mean([a == b for r, g in zip(ref, got) for a, b in zip(r, g)])
     assert same >= 0.9, (same, ref, got)
+
+
+def test_a_given_budget_is_kept_whole_a_chosen_one_trimmed_to_what_sequences_use():
+    """Blocks past every sequence at full context hold cached prefixes only: a budget the user
+    gave is kept whole (None: no trim), one chosen from free RAM is trimmed."""
+    given = CacheConfig(block_size=16, kv_cache_memory=256 << 20)
+    whole = plan_kv_cache(ARCH, given, torch.float16, None).num_blocks
+    assert whole == (256 << 20) // (16 * 2 * 30 * 3 * 64 * 2)
+    assert plan_kv_cache(ARCH, given, torch.float16, 1000).num_blocks == 63  # ceil(1000 / 16)
+
+
+def test_an_engine_given_kv_bytes_keeps_them_for_its_prefix_cache(tiny_model_dir):
+    """max_num_seqs=1, a 512-token context and 64 MiB of KV: all of it becomes blocks, not
+    just one sequence's worth; without a budget the pool is trimmed to that."""
+    from memwall import LLM
+
+    model = tiny_model_dir("llama")
+    kept = LLM(str(model), max_num_seqs=1, max_model_len=512, kv_cache_memory=64 << 20)
+    per_block = kept.engine.core.executor.worker.runner.kv_caches[0][0][0].nbytes * 2 * len(
+        kept.engine.core.executor.worker.runner.kv_caches)
+    assert kept.engine.num_total_blocks == (64 << 20) // per_block > 512 // 16
+    trimmed = LLM(str(model), max_num_seqs=1, max_model_len=512)
+    assert trimmed.engine.num_total_blocks == 512 // 16
