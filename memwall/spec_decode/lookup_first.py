@@ -35,6 +35,9 @@ class LookupFirstProposer(Proposer):
         self._looked_up: set[str] = set()  # the last call's sequences drafted by lookup
         self._drafted: set[str] = set()  # sequences whose last proposal the drafter made
         self._timed = True  # whether the last call measures the drafter's per-token time
+        self._matches: dict[str, tuple[int, int | None]] = {}
+        """Per sequence, (tokens, lookup match) that drafts_free found this step: propose
+        routes by them instead of searching again."""
 
     @property
     def drafting_model(self):
@@ -42,9 +45,17 @@ class LookupFirstProposer(Proposer):
         return getattr(self.drafter, "drafting_model", None)
 
     def propose(self, requests: list[DraftRequest]) -> dict[str, list[int]]:
-        drafts = self.lookup.propose(requests)
+        drafts, rest = {}, []
+        for r in requests:
+            seen = self._matches.get(r.request_id)
+            fresh = seen is not None and seen[0] == len(r.token_ids)
+            begin = seen[1] if fresh else self.lookup.match(r.token_ids)
+            if begin is None:
+                rest.append(r)
+            else:
+                drafts[r.request_id] = r.token_ids[begin:begin + r.max_drafts].tolist()
+        self._matches.clear()
         self._looked_up = set(drafts)
-        rest = [r for r in requests if r.request_id not in drafts]
         self._timed = all(r.request_id in self._drafted for r in rest)
         self._drafted.difference_update(self._looked_up)
         self._drafted.update(r.request_id for r in rest)
@@ -52,9 +63,11 @@ class LookupFirstProposer(Proposer):
             drafts.update(self.drafter.propose(rest))
         return drafts
 
-    def drafts_free(self, token_ids: np.ndarray) -> bool:
+    def drafts_free(self, request_id: str, token_ids: np.ndarray) -> bool:
         """True where lookup has a match: the sequence's drafts will be lookup's."""
-        return bool(self.lookup.lookup(token_ids, 1))
+        begin = self.lookup.match(token_ids)
+        self._matches[request_id] = (len(token_ids), begin)
+        return begin is not None
 
     def priced_tokens(self, drafts: dict[str, list[int]]) -> int:
         """The drafter's tokens; 0 (the call is not timed) where the drafter caught up on a
@@ -68,4 +81,6 @@ class LookupFirstProposer(Proposer):
 
     def forget(self, request_ids: list[str]) -> None:
         self._drafted.difference_update(request_ids)
+        for request_id in request_ids:
+            self._matches.pop(request_id, None)
         self.drafter.forget(request_ids)

@@ -23,7 +23,7 @@ class NgramProposer(Proposer):
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n} and {max_n}")
         self.min_n, self.max_n = min_n, max_n
 
-    def drafts_free(self, token_ids: np.ndarray) -> bool:
+    def drafts_free(self, request_id: str, token_ids: np.ndarray) -> bool:
         return True  # a lookup is a few array compares
 
     def propose(self, requests: list[DraftRequest]) -> dict[str, list[int]]:
@@ -37,9 +37,15 @@ class NgramProposer(Proposer):
     def lookup(self, tokens: np.ndarray, k: int) -> list[int]:
         """Up to k tokens following the latest earlier match of the longest suffix that has
         one (empty when none does)."""
+        begin = self.match(tokens) if k >= 1 else None
+        return [] if begin is None else tokens[begin:begin + k].tolist()
+
+    def match(self, tokens: np.ndarray) -> int | None:
+        """Where the tokens following the latest earlier match of the longest suffix that has
+        one start (always before the end), or None when no suffix has one."""
         length = len(tokens)
-        if k < 1 or length < self.min_n + 1:
-            return []
+        if length < self.min_n + 1:
+            return None
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             suffix = tokens[length - n:]
             # candidate starts: where the suffix's first token occurs with a token after the match
@@ -49,6 +55,5 @@ class NgramProposer(Proposer):
                 if not len(starts):
                     break
             if len(starts):
-                begin = int(starts[-1]) + n
-                return tokens[begin:begin + k].tolist()
-        return []
+                return int(starts[-1]) + n
+        return None

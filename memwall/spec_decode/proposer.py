@@ -37,10 +37,11 @@ class Proposer(ABC):
     def forget(self, request_ids: list[str]) -> None:
         """These sequences finished or lost their KV: drop anything kept for them."""
 
-    def drafts_free(self, token_ids: np.ndarray) -> bool:
+    def drafts_free(self, request_id: str, token_ids: np.ndarray) -> bool:
         """Whether this sequence's next drafts (``token_ids``: all its tokens) would cost no
         drafting time: prompt lookup's. The adaptive lengths price them free and keep their
-        acceptance apart from the drafter's (adaptive.py)."""
+        acceptance apart from the drafter's (adaptive.py). Asked each step before ``propose``
+        for the same tokens."""
         return False
 
     def priced_tokens(self, drafts: dict[str, list[int]]) -> int:

@@ -380,22 +380,21 @@ class ModelRunner:
         if limit is not None and batch > limit:
             return
         reading = any(rid not in out.sampled for rid in sched.num_scheduled_tokens)
-        candidates = []
+        contexts = []  # (request id, all its tokens, whether its drafts would be free)
         for request_id, sampled in out.sampled.items():
             row = self.rows.row_of.get(request_id)
             if row is None:
                 continue  # a fork child's first token: it joins the rows next step
             if request_id not in out.accepted_drafts:
                 self.draft_lengths.idle(request_id)
-            candidates.append((request_id, sampled, row))
-        if reading:
-            return
-        contexts = []  # (request id, all its tokens, whether its drafts would be free)
-        for request_id, sampled, row in candidates:
+            if reading:
+                continue  # no drafts this step; every sequence's evidence still ages
             known = self.rows.token_ids[row, :self.rows.num_tokens[row]]
             new = [t.token_id for t in out.accepted_drafts.get(request_id, ())] + [sampled.token_id]
             tokens = np.concatenate([known, new])
-            contexts.append((request_id, tokens, self.proposer.drafts_free(tokens)))
+            contexts.append((request_id, tokens, self.proposer.drafts_free(request_id, tokens)))
+        if reading:
+            return
         # the likeliest to be accepted choose first: each prices its drafts against the rows
         # the ones before it added to the step (adaptive.py)
         contexts.sort(key=lambda c: -self.draft_lengths.rate(c[0], c[2]))

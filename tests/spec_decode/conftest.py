@@ -28,3 +28,31 @@ def noisy_draft(target, tmp_path_factory):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(target / name, out / name)
     return out
+
+
+@pytest.fixture
+def draft_sources():
+    """watch(proposer) -> a list that gets (request id, "lookup" or "drafter", draft tokens)
+    for every draft a LookupFirstProposer makes, in order: the drafter's are the sequences
+    its own propose was handed in that call."""
+
+    def watch(proposer) -> list[tuple[str, str, int]]:
+        seen: list[tuple[str, str, int]] = []
+        served: set[str] = set()
+        propose, drafter_propose = proposer.propose, proposer.drafter.propose
+
+        def drafter(requests):
+            served.update(r.request_id for r in requests)
+            return drafter_propose(requests)
+
+        def watched(requests):
+            served.clear()
+            drafts = propose(requests)
+            seen.extend((rid, "drafter" if rid in served else "lookup", len(d))
+                        for rid, d in drafts.items() if d)
+            return drafts
+
+        proposer.drafter.propose, proposer.propose = drafter, watched
+        return seen
+
+    return watch

@@ -288,7 +288,8 @@ def test_a_requantized_head_drafts_from_4_bit_weights_with_greedy_output_unchang
     assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
 
 
-def test_with_lookup_first_the_head_catches_up_over_the_steps_it_skipped(tiny_target, tiny_head):
+def test_with_lookup_first_the_head_catches_up_over_the_steps_it_skipped(
+        tiny_target, tiny_head, draft_sources):
     """``"lookup_first": true``: steps drafted by prompt lookup leave the head's cache behind
     (its features are still recorded); when the sequence next drafts with the head, the cache
     catches up over the entries it skipped. Sequences move between the two sources, and the
@@ -303,25 +304,15 @@ def test_with_lookup_first_the_head_catches_up_over_the_steps_it_skipped(tiny_ta
               "prompt_lookup_max": 2}
     llm = LLM(str(tiny_target), speculative_config=config, num_kv_blocks=256, block_size=4)
     proposer = llm.engine.core.executor.worker.runner.proposer
-    order = []  # (request id, source) of every draft, in order
-
-    def noting(source, fn):
-        def wrapped(requests):
-            drafts = fn(requests)
-            order.extend((rid, source) for rid, d in drafts.items() if d)
-            return drafts
-        return wrapped
-
-    proposer.lookup.propose = noting("lookup", proposer.lookup.propose)
-    proposer.drafter.propose = noting("head", proposer.drafter.propose)
+    seen = draft_sources(proposer)  # (request id, "lookup" or "drafter", tokens), in order
     out = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
     moved = set()  # sequences the head drafted for after lookup had
-    for rid in {r for r, _ in order}:
-        sources = [src for r, src in order if r == rid]
-        if "lookup" in sources and "head" in sources[sources.index("lookup"):]:
+    for rid in {r for r, _, _ in seen}:
+        sources = [src for r, src, _ in seen if r == rid]
+        if "lookup" in sources and "drafter" in sources[sources.index("lookup"):]:
             moved.add(rid)
-    assert len(moved) >= 2, order
+    assert len(moved) >= 2, seen
     assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
 
 

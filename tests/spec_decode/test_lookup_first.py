@@ -66,7 +66,7 @@ def test_lookup_first_is_checked_in_the_config(config, message):
         SpeculativeConfig.parse(config)
 
 
-def test_greedy_equals_plain_with_both_sources_drafting(target, noisy_draft):
+def test_greedy_equals_plain_with_both_sources_drafting(target, noisy_draft, draft_sources):
     """A draft model with lookup first, prompts that repeat (lookup matches) beside random
     ones (the drafter's), in one batch and with preemption: the plain output, both sources
     drafted and got drafts accepted, and no block leaked."""
@@ -82,20 +82,11 @@ def test_greedy_equals_plain_with_both_sources_drafting(target, noisy_draft):
               max_num_seqs=6, max_num_batched_tokens=40)
     proposer = llm.engine.core.executor.worker.runner.proposer
     assert isinstance(proposer, LookupFirstProposer)
-    drafted = {"lookup": 0, "drafter": 0}
-    lookup_propose, drafter_propose = proposer.lookup.propose, proposer.drafter.propose
-
-    def count(source, fn):
-        def wrapped(requests):
-            drafts = fn(requests)
-            drafted[source] += sum(len(d) for d in drafts.values())
-            return drafts
-        return wrapped
-
-    proposer.lookup.propose = count("lookup", lookup_propose)
-    proposer.drafter.propose = count("drafter", drafter_propose)
+    seen = draft_sources(proposer)
     out = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+    drafted = {kind: sum(n for _, source, n in seen if source == kind)
+               for kind in ("lookup", "drafter")}
     assert drafted["lookup"] > 20 and drafted["drafter"] > 20, drafted
     core = llm.engine.core
     assert core.scheduler.num_preemptions > 0
@@ -118,3 +109,22 @@ def test_a_drafters_catch_up_after_lookup_is_not_timed_as_drafting():
     assert proposer.priced_tokens(proposer.propose([fresh, other])) == 4
     proposer.forget(["a"])
     assert proposer.priced_tokens(proposer.propose([fresh])) == 0  # as new again
+
+
+def test_propose_routes_by_the_match_drafts_free_found_without_searching_again():
+    """The runner asks drafts_free for each sequence, then proposes for the ones that chose to
+    draft: the lookup runs once a sequence a step, and the drafts are the same as a fresh one's."""
+    lookup = NgramProposer(2, 3)
+    proposer = LookupFirstProposer(lookup, Recorder())
+    searches = []
+    match = lookup.match
+    lookup.match = lambda tokens: searches.append(len(tokens)) or match(tokens)
+    repeats = DraftRequest("repeats", np.array([1, 2, 3, 4, 5, 1, 2, 3]), 3)
+    fresh = DraftRequest("fresh", np.array([9, 8, 6, 5, 4]), 2)
+    assert proposer.drafts_free("repeats", repeats.token_ids)
+    assert not proposer.drafts_free("fresh", fresh.token_ids)
+    assert proposer.propose([repeats, fresh]) == {"repeats": [4, 5, 1], "fresh": [7, 7]}
+    assert searches == [8, 5]
+    longer = DraftRequest("repeats", np.array([1, 2, 3, 4, 5, 1, 2, 3, 4]), 2)
+    assert proposer.propose([longer]) == {"repeats": [5, 1]}  # not asked first: searched
+    assert searches == [8, 5, 9]
