@@ -105,6 +105,25 @@ def test_rows_alone_and_in_batches_agree_bit_for_bit(kind, half, off, n, k):
         assert torch.equal(panels.matmul(x[:m].contiguous(), packed), alone[:m]), m
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+@pytest.mark.parametrize("kind,half,off", [("q4", True, True), ("q8", True, False)])
+def test_one_token_splits_panels_evenly_with_the_same_bits(kind, half, off, threads):
+    """One token: each thread an equal run of panels in passes of 4, 2 and 1 (37 and 9 panels
+    split unevenly over every thread count here); each output the bits of the batched path."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # torch's OpenMP pool is the one the kernels run on
+    try:
+        for n in (16 * 37, 16 * 9, 16 * 2):
+            w = _weight(kind, n, 96, half, off, seed=n)
+            packed = _packed_copy(w)
+            x = _activations(2, w.k)
+            batched = panels.matmul(x, packed)
+            alone = panels.matmul(x[:1].contiguous(), packed)
+            assert torch.equal(alone, batched[:1]), n
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("kind,half,off", FORMATS)
 @pytest.mark.parametrize("m", [17, 40, 130])
 def test_many_tokens_take_the_int16_panels(kind, half, off, m):

@@ -52,6 +52,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 #include "kernels.h"
 
 int mw_packed_available(void) {
@@ -317,20 +319,27 @@ static inline __attribute__((always_inline)) void pk_tile_f32(
 }
 
 /* one format's work for the panels of this thread, the format's flags compile-time: one token
- * takes PK_NP panels a pass; more tokens PK_TM at a time against each panel */
+ * takes PK_NP panels a pass; more tokens PK_TM at a time against each panel.
+ *
+ * One token: each thread takes an equal run of panels (its share of the weight stream), PK_NP
+ * a pass, then two, then one. Handing out PK_NP-panel items instead left a decoder's small
+ * projections uneven (SmolLM2's o and down projections, 36 panels: 9 items, 5 against 4), and
+ * the thread with less waited at the barrier; a panel's outputs are the same bits whichever
+ * pass takes it. */
 #define PK_FORMAT(Q8, FMT, OFF)                                                            \
     if (M == 1 && !exact) {                                                                 \
-        _Pragma("omp for schedule(static)")                                                 \
-        for (int64_t q = 0; q < (panels + PK_NP - 1) / PK_NP; q++) {                        \
-            const int64_t p = q * PK_NP;                                                    \
-            if (p + PK_NP <= panels)                                                        \
-                pk_tile(PK_NP, 1, Q8, FMT, OFF, codes, s, c, p, K, a.hi, a.lo, a.dq,       \
-                        a.asum, a.xs, y + p * 16, ldy);                                     \
-            else                                                                            \
-                for (int64_t u = p; u < panels; u++)                                        \
-                    pk_tile(1, 1, Q8, FMT, OFF, codes, s, c, u, K, a.hi, a.lo, a.dq,       \
-                            a.asum, a.xs, y + u * 16, ldy);                                 \
-        }                                                                                   \
+        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();              \
+        const int64_t p_end = panels * (tid + 1) / nt;                                      \
+        int64_t p = panels * tid / nt;                                                      \
+        for (; p + PK_NP <= p_end; p += PK_NP)                                              \
+            pk_tile(PK_NP, 1, Q8, FMT, OFF, codes, s, c, p, K, a.hi, a.lo, a.dq, a.asum,   \
+                    a.xs, y + p * 16, ldy);                                                 \
+        for (; p + 2 <= p_end; p += 2)                                                      \
+            pk_tile(2, 1, Q8, FMT, OFF, codes, s, c, p, K, a.hi, a.lo, a.dq, a.asum, a.xs, \
+                    y + p * 16, ldy);                                                       \
+        for (; p < p_end; p++)                                                              \
+            pk_tile(1, 1, Q8, FMT, OFF, codes, s, c, p, K, a.hi, a.lo, a.dq, a.asum, a.xs, \
+                    y + p * 16, ldy);                                                       \
     } else {                                                                                \
         _Pragma("omp for schedule(static)")                                                 \
         for (int64_t p = 0; p < panels; p++)                                                \
