@@ -1,7 +1,7 @@
 """Trains an EAGLE-1 head for a model on this CPU and saves it in the published layout
 (memwall/spec_decode/eagle.py), for ``--speculative-config '{"method": "eagle", "model": DIR}'``.
 
-    python benchmarks/train_eagle.py [--model GGUF] [--conversations 2400] [--reply-tokens 128]
+    python benchmarks/train_eagle.py [--model GGUF] [--conversations 3600] [--reply-tokens 128]
                                      [--draft-vocab 8192] [--minutes 55]
                                      [--out ~/.cache/memwall/eagle-smollm2]
 
@@ -17,6 +17,10 @@ drafter runs with ``"draft_vocab_size": N`` (draft_vocab.py): several times chea
 SmolLM2's 49,152 ids, so more data fits the hour; positions whose greedy token lies past N
 count for the feature loss only. The benchmark's chat prompts are never trained on
 (``EVALUATION_CHATS``). The LM head and embedding stay frozen (read from the target).
+Where the CPU multiplies bfloat16 natively (AVX512-BF16, AMX) the head trains under bf16
+autocast (``--bf16``; its weights and optimizer stay float32): about 1.3x faster a training
+sequence on a Zen 4 EPYC (120 against 165 ms), so the hour holds more chats (3,600 by default:
+held-out top-1 49.6% after 3.5 epochs, against 47.7% for 2,400 chats and 7 float32 epochs).
 Training stops after ``--minutes`` (counted from the start, generation included; the learning
 rate follows a cosine over that time) or ``--epochs``; a tenth of the sequences is held out and
 the head's top-1 agreement with the target's greedy token over their replies is printed (about
@@ -50,6 +54,15 @@ first N): the 2,400 chats of session 25's head held 2 of the 20 it measured with
 
 TOKEN_LOSS_WEIGHT = 0.1
 """The cross-entropy's weight beside the feature loss (EAGLE-1's 0.1)."""
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX): there torch's bf16
+    matmuls run 2.6x its float32 ones (Zen 4 EPYC, 2 threads; [256, 576] x [576, 8192]),
+    elsewhere they are emulated."""
+    from memwall.planner.hardware import cpu_features
+
+    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_features()))
 
 
 def conversations(count: int, exclude: set[str] | None = None) -> list[str]:
@@ -204,7 +217,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="GGUF or HF directory (default: the embedded model)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--conversations", type=int, default=2400)
+    parser.add_argument("--conversations", type=int, default=3600)
     parser.add_argument("--reply-tokens", type=int, default=128)
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--minutes", type=float, default=55.0)
@@ -213,8 +226,14 @@ def main() -> None:
     parser.add_argument("--draft-vocab", type=int, default=8192,
                         help="train for a drafter that reads the first N ids (0: all)")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                        help="train under bfloat16 autocast (the head's weights stay float32); "
+                             "default: where the CPU multiplies bf16 natively (AVX512-BF16 or "
+                             "AMX), ~1.3x faster a training sequence on a Zen 4 EPYC")
     parser.add_argument("--out", default=str(Path.home() / ".cache" / "memwall" / "eagle-smollm2"))
     args = parser.parse_args()
+    if args.bf16 is None:
+        args.bf16 = native_bf16()
     started = time.monotonic()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -277,8 +296,9 @@ def main() -> None:
                        (time.monotonic() - train_start) / max(1.0, deadline - train_start))
             for group in optimizer.param_groups:
                 group["lr"] = args.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
-            loss, _, _ = sequence_loss(head, lm_head, embeds, feats, ids, start, greedy,
-                                       {} if args.second_step else None)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+                loss, _, _ = sequence_loss(head, lm_head, embeds, feats, ids, start, greedy,
+                                           {} if args.second_step else None)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -302,7 +322,8 @@ def main() -> None:
     save_head(head, hf_config, Path(args.out))
     vocab = (f', run it with "draft_vocab_size": {lm_head.shape[0]}'
              if lm_head.shape[0] < arch.vocab_size else "")
-    print(f"saved {args.out} (CPU: {cpu_model()}, {args.threads} threads{vocab})")
+    print(f"saved {args.out} (CPU: {cpu_model()}, {args.threads} threads, "
+          f"{'bf16 autocast' if args.bf16 else 'float32'}{vocab})")
 
 
 if __name__ == "__main__":

@@ -147,3 +147,39 @@ def test_training_chats_leave_out_the_benchmarks_prompts(monkeypatch):
     assert train_eagle.conversations(10, exclude=set(measured[:30])) == [
         c for c in train_eagle.conversations(60, exclude=set()) if c not in measured[:30]][:10]
     assert train_eagle.conversations(10) == []  # by default: all 60 are the benchmark's
+
+
+def test_bf16_autocast_training_lowers_the_loss_and_keeps_float32_weights(tiny):
+    """--bf16: the forward under bfloat16 autocast, the head's weights and optimizer float32."""
+    path, loaded = tiny
+    model = loaded.model
+    ids = [int(t) for t in torch.randint(4, 380, (40,), generator=torch.Generator().manual_seed(2))]
+    feats = target_features(model, 4, ids).clone()
+    with torch.inference_mode():
+        embeds = model.model.embed_tokens(torch.tensor(ids)).float()
+    embeds = embeds.clone()
+    lm_head = lm_head_matrix(model, loaded.arch.hidden_size).clone()
+    head = _head(loaded.arch)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    greedy = torch.tensor(ids[1:] + [ids[0]])
+    losses = []
+    for _ in range(15):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _, _ = sequence_loss(head, lm_head, embeds, feats, torch.tensor(ids), 10,
+                                       greedy, {})
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0]
+    assert all(p.dtype == torch.float32 for p in head.parameters())
+
+
+def test_bf16_is_the_default_only_where_the_cpu_multiplies_it(monkeypatch):
+    import memwall.planner.hardware as hardware
+    from benchmarks.train_eagle import native_bf16
+
+    for flags, expected in ((["avx512f", "avx512_bf16"], True), (["amx_tile", "amx_bf16"], True),
+                            (["avx2", "avx512f", "avx512_vnni"], False), ([], False)):
+        monkeypatch.setattr(hardware, "cpu_features", lambda flags=flags: flags)
+        assert native_bf16() is expected, flags

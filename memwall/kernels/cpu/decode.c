@@ -384,10 +384,12 @@ static void lora_apply(const mw_lora_proj* lp, const mw_lora_step* st, const flo
 
 /* ------------------------------------------------------------------ the whole step */
 
-/* Optional stage timers (benchmarks/cpu_profile.py): seconds spent per stage, summed over
- * steps while profiling is on. Stages: 0 norms, 1 qkv, 2 rope + cache write, 3 attention,
- * 4 o_proj, 5 gate_up, 6 silu*mul, 7 down, 8 LoRA deltas (all four projections'),
- * 9 tensor-parallel all-reduces (waiting for the other ranks included). */
+/* Optional stage timers: seconds spent per stage, summed over steps while profiling is on
+ * (from Python: lib = build.require(); lib.mw_profile(1, None) starts them, and
+ * lib.mw_profile(0, buf), buf a ctypes double[10], reads and stops them). Stages: 0 norms,
+ * 1 qkv, 2 rope + cache write, 3 attention, 4 o_proj, 5 gate_up, 6 silu*mul, 7 down, 8 LoRA
+ * deltas (all four projections'), 9 tensor-parallel all-reduces (waiting for the other ranks
+ * included). */
 #define MW_STAGES 10
 static int mw_profiling = 0;
 static double mw_stage_seconds[MW_STAGES];
