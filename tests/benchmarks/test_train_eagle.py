@@ -36,6 +36,17 @@ def _head(arch):
     return head
 
 
+def _training_sequence(loaded, seed: int):
+    """A random 40-token sequence's ids, embeddings, target features and the LM head matrix,
+    as main() prepares them (clones outside inference mode: autograd reads them)."""
+    model = loaded.model
+    ids = [int(t) for t in torch.randint(4, 380, (40,), generator=torch.Generator().manual_seed(seed))]
+    feats = target_features(model, 4, ids).clone()
+    with torch.inference_mode():
+        embeds = model.model.embed_tokens(torch.tensor(ids)).float()
+    return ids, embeds.clone(), feats, lm_head_matrix(model, loaded.arch.hidden_size).clone()
+
+
 def _hf(arch) -> dict:
     return {"model_type": "llama", "vocab_size": arch.vocab_size, "hidden_size": arch.hidden_size,
             "intermediate_size": arch.intermediate_size, "num_attention_heads": arch.num_attention_heads,
@@ -100,13 +111,7 @@ def test_training_lowers_the_loss_and_the_saved_head_drafts(tiny, tmp_path):
     from memwall import LLM, SamplingParams
 
     path, loaded = tiny
-    model = loaded.model
-    ids = [int(t) for t in torch.randint(4, 380, (40,), generator=torch.Generator().manual_seed(1))]
-    feats = target_features(model, 4, ids).clone()
-    with torch.inference_mode():
-        embeds = model.model.embed_tokens(torch.tensor(ids)).float()
-    embeds = embeds.clone()
-    lm_head = lm_head_matrix(model, loaded.arch.hidden_size).clone()
+    ids, embeds, feats, lm_head = _training_sequence(loaded, seed=1)
     head = _head(loaded.arch)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
     first = last = None
@@ -151,14 +156,8 @@ def test_training_chats_leave_out_the_benchmarks_prompts(monkeypatch):
 
 def test_bf16_autocast_training_lowers_the_loss_and_keeps_float32_weights(tiny):
     """--bf16: the forward under bfloat16 autocast, the head's weights and optimizer float32."""
-    path, loaded = tiny
-    model = loaded.model
-    ids = [int(t) for t in torch.randint(4, 380, (40,), generator=torch.Generator().manual_seed(2))]
-    feats = target_features(model, 4, ids).clone()
-    with torch.inference_mode():
-        embeds = model.model.embed_tokens(torch.tensor(ids)).float()
-    embeds = embeds.clone()
-    lm_head = lm_head_matrix(model, loaded.arch.hidden_size).clone()
+    _, loaded = tiny
+    ids, embeds, feats, lm_head = _training_sequence(loaded, seed=2)
     head = _head(loaded.arch)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
     greedy = torch.tensor(ids[1:] + [ids[0]])
