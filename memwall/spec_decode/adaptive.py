@@ -213,11 +213,11 @@ class DraftLengths:
         self._priced_free[request_id] = free
         rate, batch = self.rate(request_id, free), max(1, batch)
         rows = batch + max(0, drafted)
-        drafting = self.draft_cost(batch) / batch if self.draft_cost is not None else 0.0
-        if self.drafting_s is not None:
+        drafting = 0.0  # lookup's drafts cost no drafting time
+        if not free and self.draft_cost is not None:
+            drafting = self.draft_cost(batch) / batch
+        if not free and self.drafting_s is not None:
             drafting = max(drafting, self.drafting_s)
-        if free:
-            drafting = 0.0
         base = self.cost(rows)
         best_k, best_gain = 0, MIN_GAIN
         for k in range(1, self.max_k + 1):
