@@ -297,6 +297,12 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, request_ids: list[str], sched: SchedulerOutput,
                 out: RunnerOutput) -> None:
+        if self._plain_greedy(request_ids, sched):
+            # each row's token is its argmax: what the sampler would pick, without building its
+            # metadata (0.34 ms of a 10.5 ms batch-1 step on a Cascade Lake Xeon)
+            for request_id, token in zip(request_ids, argmax_rows(logits).tolist()):
+                out.sampled[request_id] = SampledToken(token, None)
+            return
         forks = {f.request_id: f for f in sched.forks}
         rows = [self._sampling_row(rid, forks) for rid in request_ids]
         params = [r[0] for r in rows]
@@ -324,6 +330,21 @@ class ModelRunner:
         a sequence is sampled as if drafts 0..j-1 were already its output tokens: penalties
         count them, min_tokens' banned ids end where they would, and a structured-output
         request's grammar mask is the one after drafts 0..j-1 (``masks``, one row each)."""
+        rows = [r for v in verify for r in v.rows]
+        raw = logits[rows]  # [R, V]
+        if not masks and all(_plain_greedy(self.rows.states[v.request_id].sampling_params)
+                             for v in verify):
+            argmax = argmax_rows(raw).tolist()  # the sampler's metadata would change nothing
+            offset = 0
+            for v in verify:
+                span = slice(offset, offset + len(v.draft_token_ids) + 1)
+                accepted, token = verify_greedy(argmax[span], v.draft_token_ids)
+                out.accepted_drafts[v.request_id] = [SampledToken(t, None)
+                                                     for t in v.draft_token_ids[:accepted]]
+                out.sampled[v.request_id] = SampledToken(token, None)
+                self.draft_lengths.observe(v.request_id, len(v.draft_token_ids), accepted)
+                offset = span.stop
+            return
         params, gens, prompts, outputs, banned, mask_rows = [], [], [], [], [], []
         for v in verify:
             state = self.rows.states[v.request_id]
@@ -342,8 +363,6 @@ class ModelRunner:
                 banned.append(_banned_ids(p, state.eos_token_ids, num_out + j))
                 mask = masks.get(v.request_id)
                 mask_rows.append(mask[j] if mask is not None else None)
-        rows = [r for v in verify for r in v.rows]
-        raw = logits[rows]  # [R, V]
         meta = SamplingMetadata.build(params, gens, prompts, outputs, banned,
                                       stack_bitmask(mask_rows) if masks else None)
         work = self.sampler.adjusted(raw, meta)  # [R, V]
@@ -414,6 +433,14 @@ class ModelRunner:
             self.draft_lengths.observe_drafting(time.perf_counter() - started,
                                                 self.proposer.priced_tokens(out.draft_token_ids))
 
+    def _plain_greedy(self, request_ids: list[str], sched: SchedulerOutput) -> bool:
+        """Whether every row samples its argmax with nothing to adjust or report (no grammar
+        mask, no fork: a fork's first token has its own parameters)."""
+        if sched.forks or sched.grammar_bitmask:
+            return False
+        states = self.rows.states
+        return all(_plain_greedy(states[request_id].sampling_params) for request_id in request_ids)
+
     def _sampling_row(self, request_id: str, forks: dict) -> tuple:
         """(params, prompt ids, output ids, banned ids) of one sampling row. The token lists
         are built only for requests with penalties: the sampler reads them for nothing else."""
@@ -441,6 +468,13 @@ class ModelRunner:
             gen = torch.Generator(device=self.device).manual_seed(seed)  # draws where the logits are
             self._generators[request_id] = gen
         return gen
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    """A request whose every token is its row's argmax, with nothing to adjust or report:
+    greedy, no logprobs, no penalties, no min_tokens (whose banned ids mask EOS)."""
+    return (params.greedy and params.logprobs is None and not params.min_tokens
+            and not _has_penalties(params))
 
 
 def _has_penalties(params: SamplingParams) -> bool:

@@ -156,3 +156,26 @@ def test_final_text_equals_joined_deltas(llm):
             deltas.append(output.outputs[0].delta_text)
             final = output.outputs[0]
     assert "".join(deltas) == final.text
+
+
+def test_plain_greedy_steps_skip_the_sampler_and_mixed_batches_keep_each_rows_rules(llm, monkeypatch):
+    """Rows that are plain greedy (no logprobs, penalties, min_tokens or grammar) take their
+    argmax without the sampler's metadata; one row that needs the sampler sends the whole
+    step through it, and each request's tokens are those it gets alone."""
+    from memwall.sample import metadata
+
+    built = []
+    real = metadata.SamplingMetadata.build.__func__
+    monkeypatch.setattr(metadata.SamplingMetadata, "build",
+                        classmethod(lambda cls, *a, **k: built.append(1) or real(cls, *a, **k)))
+    prompts = ["The quick brown fox", "Once upon a time there", "A B A B A B A"]
+    plain = SamplingParams(max_tokens=16, **GREEDY)
+    alone = [llm.generate(p, plain)[0].outputs[0].token_ids for p in prompts]
+    assert not built  # plain greedy decoding never built the sampler's metadata
+    penalized = SamplingParams(max_tokens=16, repetition_penalty=1.8, **GREEDY)
+    penalized_alone = llm.generate(prompts[2], penalized)[0].outputs[0].token_ids
+    assert built and penalized_alone != alone[2]
+    built.clear()
+    together = llm.generate(prompts, [plain, plain, penalized])
+    assert built  # the penalized row took the batch through the sampler
+    assert [o.outputs[0].token_ids for o in together] == alone[:2] + [penalized_alone]
