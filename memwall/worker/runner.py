@@ -332,40 +332,12 @@ class ModelRunner:
         request's grammar mask is the one after drafts 0..j-1 (``masks``, one row each)."""
         rows = [r for v in verify for r in v.rows]
         raw = logits[rows]  # [R, V]
-        if not masks and all(_plain_greedy(self.rows.states[v.request_id].sampling_params)
-                             for v in verify):
-            argmax = argmax_rows(raw).tolist()  # the sampler's metadata would change nothing
-            offset = 0
-            for v in verify:
-                span = slice(offset, offset + len(v.draft_token_ids) + 1)
-                accepted, token = verify_greedy(argmax[span], v.draft_token_ids)
-                out.accepted_drafts[v.request_id] = [SampledToken(t, None)
-                                                     for t in v.draft_token_ids[:accepted]]
-                out.sampled[v.request_id] = SampledToken(token, None)
-                self.draft_lengths.observe(v.request_id, len(v.draft_token_ids), accepted)
-                offset = span.stop
-            return
-        params, gens, prompts, outputs, banned, mask_rows = [], [], [], [], [], []
-        for v in verify:
-            state = self.rows.states[v.request_id]
-            p = state.sampling_params
-            penalized = _has_penalties(p)  # the sampler reads token lists for nothing else
-            output_ids = self.rows.output_ids(v.request_id)
-            history = output_ids.tolist() if penalized else []
-            prompt = self.rows.prompt_ids(v.request_id).tolist() if penalized else []
-            num_out = len(output_ids)
-            gen = self._generator(v.request_id, p)
-            for j in range(len(v.draft_token_ids) + 1):
-                params.append(p)
-                gens.append(gen)
-                prompts.append(prompt)
-                outputs.append(history + v.draft_token_ids[:j] if penalized else [])
-                banned.append(_banned_ids(p, state.eos_token_ids, num_out + j))
-                mask = masks.get(v.request_id)
-                mask_rows.append(mask[j] if mask is not None else None)
-        meta = SamplingMetadata.build(params, gens, prompts, outputs, banned,
-                                      stack_bitmask(mask_rows) if masks else None)
-        work = self.sampler.adjusted(raw, meta)  # [R, V]
+        meta, gens, work = None, None, raw
+        # plain greedy sequences only: the sampler's metadata would change nothing (argmaxes)
+        if masks or not all(_plain_greedy(self.rows.states[v.request_id].sampling_params)
+                            for v in verify):
+            meta, gens = self._verify_metadata(verify, masks)
+            work = self.sampler.adjusted(raw, meta)  # [R, V]
         argmax = argmax_rows(work).tolist()
         offset = 0
         for v in verify:
@@ -387,6 +359,32 @@ class ModelRunner:
             out.sampled[v.request_id] = SampledToken(token, lps[-1])
             self.draft_lengths.observe(v.request_id, len(drafts), accepted)
             offset = span.stop
+
+    def _verify_metadata(self, verify: list[VerifyRows], masks: dict
+                         ) -> tuple[SamplingMetadata, list[torch.Generator | None]]:
+        """The sampler's metadata of the verified rows (one per draft position and sequence, as
+        ``_verify`` says) and each row's generator."""
+        params, gens, prompts, outputs, banned, mask_rows = [], [], [], [], [], []
+        for v in verify:
+            state = self.rows.states[v.request_id]
+            p = state.sampling_params
+            penalized = _has_penalties(p)  # the sampler reads token lists for nothing else
+            output_ids = self.rows.output_ids(v.request_id)
+            history = output_ids.tolist() if penalized else []
+            prompt = self.rows.prompt_ids(v.request_id).tolist() if penalized else []
+            num_out = len(output_ids)
+            gen = self._generator(v.request_id, p)
+            for j in range(len(v.draft_token_ids) + 1):
+                params.append(p)
+                gens.append(gen)
+                prompts.append(prompt)
+                outputs.append(history + v.draft_token_ids[:j] if penalized else [])
+                banned.append(_banned_ids(p, state.eos_token_ids, num_out + j))
+                mask = masks.get(v.request_id)
+                mask_rows.append(mask[j] if mask is not None else None)
+        meta = SamplingMetadata.build(params, gens, prompts, outputs, banned,
+                                      stack_bitmask(mask_rows) if masks else None)
+        return meta, gens
 
     def _propose(self, sched: SchedulerOutput, out: RunnerOutput) -> None:
         """Drafts for the next step of every held sequence that got a token, as many as pay
