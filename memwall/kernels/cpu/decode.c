@@ -43,6 +43,12 @@
 
 #include "kernels.h"
 
+/* Rows from which the step's per-row work between the matmuls (norms, rope and the KV writes,
+ * the gated activation) is shared out between the threads: alone on one thread while the
+ * others spun, it took 2.0 of a 34.7 ms 16-row SmolLM2 step on a 2-core Cascade Lake Xeon.
+ * Each row's arithmetic is the same on any thread. */
+#define MW_ROW_PARALLEL 4
+
 enum { MW_F32 = 1, MW_Q4 = 2, MW_Q8 = 3, MW_PANELS = 4 };
 
 typedef struct {            /* one weight matrix [n, k]; y = x @ W^T (+ bias) */
@@ -118,6 +124,17 @@ static void rms_norm(const float* x, const float* w, float* out, int64_t n, floa
     float ss = dot_f32(x, x, n);
     float inv = 1.f / sqrtf(ss / (float)n + eps);
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
+}
+
+/* out[b] = rms_norm(x[b] (+ add[b], first added into x[b]: the residual)) * w for B rows of n */
+static void norm_rows(float* x, const float* add, const float* w, float* out, int64_t B, int64_t n,
+                      float eps) {
+    #pragma omp parallel for schedule(static) if (B >= MW_ROW_PARALLEL)
+    for (int64_t b = 0; b < B; b++) {
+        if (add)
+            for (int64_t i = 0; i < n; i++) x[b * n + i] += add[b * n + i];
+        rms_norm(x + b * n, w, out + b * n, n, eps);
+    }
 }
 
 /* rotate-half (NeoX / HF) rope of one head in place; cos, sin: [head_dim / 2] */
@@ -413,6 +430,7 @@ static void rope_and_write(const mw_model* m, const mw_layer* L, float* qkv, flo
                            const float* rope_cos, const float* rope_sin) {
     const int64_t H = m->n_heads, Hkv = m->n_kv_heads, D = m->head_dim;
     const int64_t q_size = H * D, kv_size = Hkv * D, half = D / 2;
+    #pragma omp parallel for schedule(static) if (B >= MW_ROW_PARALLEL)
     for (int64_t b = 0; b < B; b++) {
         float* row = qkv + b * (q_size + 2 * kv_size);
         float* q = qbuf + b * q_size;
@@ -442,6 +460,7 @@ static void rope_and_write(const mw_model* m, const mw_layer* L, float* qkv, flo
 static void gate_mul(const float* gate_up, float* act, int64_t B, int64_t inter, int64_t kind) {
     const float c1 = kind == MW_ACT_GELU_TANH ? 1.5957691216057308f : 1.f;
     const float c3 = kind == MW_ACT_GELU_TANH ? 1.5957691216057308f * 0.044715f : 0.f;
+    #pragma omp parallel for schedule(static) if (B >= MW_ROW_PARALLEL)
     for (int64_t b = 0; b < B; b++) {
         const float* g = gate_up + b * 2 * inter;
         float* a = act + b * inter;
@@ -527,7 +546,7 @@ int mw_decode_step(const mw_model* m, float* x, int64_t B, const int64_t* positi
     for (int64_t l = 0; l < m->n_layers; l++) {
         const mw_layer* L = &m->layers[l];
         if (L->in_norm) {
-            STAGE(0, for (int64_t b = 0; b < B; b++) rms_norm(x + b * Hd, L->in_norm, h + b * Hd, Hd, m->eps));
+            STAGE(0, norm_rows(x, NULL, L->in_norm, h, B, Hd, m->eps));
         } else {
             memcpy(h, x, sizeof(float) * B * Hd);
         }
@@ -550,8 +569,7 @@ int mw_decode_step(const mw_model* m, float* x, int64_t B, const int64_t* positi
         if (L->attn_out_norm)
             STAGE(0, for (int64_t b = 0; b < B; b++)
                          rms_norm(act + b * Hd, L->attn_out_norm, act + b * Hd, Hd, m->eps));
-        STAGE(0, for (int64_t i = 0; i < B * Hd; i++) x[i] += act[i];
-                 for (int64_t b = 0; b < B; b++) rms_norm(x + b * Hd, L->post_norm, h + b * Hd, Hd, m->eps));
+        STAGE(0, norm_rows(x, act, L->post_norm, h, B, Hd, m->eps));
         STAGE(5, proj_apply(&L->gate_up, h, B, big, 2 * inter, tmp));  /* [B, gate | up] */
         STAGE(8, lora_apply(&L->lora_gate_up, &lora, h, big, 2 * inter));
         STAGE(6, gate_mul(big, act, B, inter, m->act));

@@ -266,6 +266,66 @@ MW_INLINE void pv_pass16(const float* p, int64_t n, float* o, int64_t D, const c
     for (int jj = 0; jj < JN; jj++)
         for (int cc = 0; cc < CN; cc++) _mm512_storeu_ps(o + jj * D + d0 + 16 * cc, acc[jj][cc]);
 }
+
+/* Longest head dim the 16-key score path takes (its widened keys sit on the stack: 16 x D floats) */
+#define MW_ATT_MAX_D 256
+
+/* hadd_ps of two vectors in each 128-bit lane: [x0 + x1, x2 + x3, y0 + y1, y2 + y3] */
+MW_INLINE __m512 hadd512(__m512 x, __m512 y) {
+    return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
+}
+
+/* 16 vectors of partial sums -> one vector whose lane k is the sum of v[k]'s 16 lanes, each
+ * added in exactly the order the 8-key code adds them (its 256-bit halves, then hsum8x8's
+ * tree), so a key's score is the same bits whichever code computed it: keys k and k + 8 share
+ * a vector, one a 256-bit half, through hsum8x8's steps */
+MW_INLINE __m512 hsum16x16(const __m512* v) {
+    __m512 u[8];
+    for (int k = 0; k < 8; k++)  /* [v_k.lo + v_k.hi | v_k+8.lo + v_k+8.hi] */
+        u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[k], v[k + 8], 0x44),
+                             _mm512_shuffle_f32x4(v[k], v[k + 8], 0xEE));
+    /* 128-bit lanes: a = keys 0-3 (their partials' first, second half), keys 8-11 (same);
+       b = keys 4-7, keys 12-15 */
+    const __m512 a = hadd512(hadd512(u[0], u[1]), hadd512(u[2], u[3]));
+    const __m512 b = hadd512(hadd512(u[4], u[5]), hadd512(u[6], u[7]));
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+    return _mm512_shuffle_f32x4(r, r, 0xD8);  /* keys 0-3, 8-11, 4-7, 12-15 -> in order */
+}
+
+/* scores[j n + i0 ..] (scaled) of the `group` heads of qh against keys i0 .. i0 + 15 (rows
+ * padded past n with the last key, whose scores are not stored). The 16 keys are widened to
+ * float once, into kbuf [16, D], and every head reads them from there: with GQA a KV head
+ * serves several query heads, and a verification run stacks up to 17 rows' heads. A head's 16
+ * dot products are 16 independent FMA chains (dims across the lanes, as qk_key16 runs them),
+ * then one hsum16x16: the scores are the 8-key code's bits. D a multiple of 16, at most
+ * MW_ATT_MAX_D. */
+MW_INLINE void scores16(const float* qh, int64_t group, int64_t D, const char* kb,
+                        const float* k_scales, int kt, int64_t row_bytes, const int64_t* rows,
+                        int64_t i0, int64_t n, float scale, float* scores, float* kbuf) {
+    for (int k = 0; k < 16; k++) {
+        const void* row = kb + rows[i0 + k] * row_bytes;
+        const float* srow = kv_row_scales(k_scales, kt, rows[i0 + k], D);
+        for (int64_t c = 0; c < D; c += 16) _mm512_store_ps(kbuf + k * D + c, kv_load16(row, srow, c, kt));
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    const int64_t take = n - i0 < 16 ? n - i0 : 16;
+    for (int64_t j = 0; j < group; j++) {
+        const float* q = qh + j * D;
+        __m512 acc[16];
+        #pragma GCC unroll 16
+        for (int k = 0; k < 16; k++) acc[k] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D; c += 16) {
+            const __m512 qc = _mm512_loadu_ps(q + c);
+            #pragma GCC unroll 16
+            for (int k = 0; k < 16; k++) acc[k] = _mm512_fmadd_ps(qc, _mm512_load_ps(kbuf + k * D + c), acc[k]);
+        }
+        const __m512 s = _mm512_mul_ps(hsum16x16(acc), sc);
+        if (take == 16)
+            _mm512_storeu_ps(scores + j * n + i0, s);
+        else
+            _mm512_mask_storeu_ps(scores + j * n + i0, (__mmask16)((1u << take) - 1), s);
+    }
+}
 #endif
 #endif
 
@@ -281,7 +341,7 @@ MW_INLINE void kv_row(const void* row, const float* srow, int64_t D, int kt, flo
  * each up to its own position): its scores past them are zero weights, so what it gets does
  * not depend on the others. Every key's score comes from the same 8-key vector code (a last
  * partial group is padded with its last key), so a head's result is the same bits whatever
- * the range's length. Scratch: scores [group, t1 - t0], rows [t1 - t0 + 7], rowbuf [D].
+ * the range's length. Scratch: scores [group, t1 - t0], rows [t1 - t0 + 15], rowbuf [D].
  * Inlined once per element type kt. */
 MW_INLINE void attend_range(const float* qh, int64_t group, int64_t D, const void* k_cache,
                             const void* v_cache, const float* k_scales, const float* v_scales,
@@ -298,7 +358,7 @@ MW_INLINE void attend_range(const float* qh, int64_t group, int64_t D, const voi
             rows[i] = (table[blk] * block_size + off) * Hkv + h;
             if (++off == block_size) { off = 0; blk++; }
         }
-        for (int64_t i = n; i < n + 7; i++) rows[i] = rows[n - 1];  /* the padded keys */
+        for (int64_t i = n; i < n + 15; i++) rows[i] = rows[n - 1];  /* the padded keys */
     }
     const char* kb = (const char*)k_cache;
     const char* vb = (const char*)v_cache;
@@ -308,6 +368,25 @@ MW_INLINE void attend_range(const float* qh, int64_t group, int64_t D, const voi
     for (int64_t w = 0; w < 16 && w < n; w++)
         for (int64_t off = 0; off < pf_bytes; off += 64)
             __builtin_prefetch(kb + rows[w] * row_bytes + off, 0, 3);
+#if defined(__AVX512F__)
+    /* more heads than one pass of the 8-key code takes (a verification run's rows, GQA groups
+       over 4): 16 keys at a time, widened once for all of them (a 5-row run over 700 keys,
+       30 layers: 3.9 -> 3.5 ms). With 4 heads or fewer the 8-key code widens a key once
+       anyway, and was as fast or faster (int8 keys: ~4%) */
+    if (group > 4 && D % 16 == 0 && D <= MW_ATT_MAX_D) {
+        float kbuf[16 * MW_ATT_MAX_D] __attribute__((aligned(64)));
+        for (; i < n; i += 16) {
+            /* the next 16 keys' rows, and these keys' values for p . V below */
+            for (int64_t k = i + 16; k < i + 32 && k < n; k++)
+                for (int64_t off = 0; off < pf_bytes; off += 64)
+                    __builtin_prefetch(kb + rows[k] * row_bytes + off, 0, 3);
+            for (int64_t k = i; k < i + 16 && k < n; k++)
+                for (int64_t off = 0; off < pf_bytes; off += 64)
+                    __builtin_prefetch(vb + rows[k] * row_bytes + off, 0, 2);
+            scores16(qh, group, D, kb, k_scales, kt, row_bytes, rows, i, n, scale, scores, kbuf);
+        }
+    }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
     if (D % 8 == 0) {  /* 8 keys at a time: 8 partial-sum vectors a head, one reduction tree */
         for (; i < n; i += 8) {
@@ -592,11 +671,11 @@ int mw_paged_attention_run(const float* q, const void* k_cache, const void* v_ca
     {
         /* a run's query heads side by side: qs [G, D], o [G, D], m, l, limit [G]
            (G = MAX_RUN * group); attend_range's scratch for a range of at most `span` keys:
-           scores [G, span] then rowbuf [D], rows [span + 7] */
+           scores [G, span] then rowbuf [D], rows [span + 15] */
         const int64_t span = max_len < SPLIT_KEYS ? max_len : SPLIT_KEYS;
         const int64_t G = MAX_RUN * group;
         float* scores = (float*)malloc(sizeof(float) * (G * span + D));
-        int64_t* rows = (int64_t*)malloc(sizeof(int64_t) * (span + 8));
+        int64_t* rows = (int64_t*)malloc(sizeof(int64_t) * (span + 16));
         float* qs = (float*)malloc(sizeof(float) * G * (2 * D + 2));
         int64_t* limit = (int64_t*)malloc(sizeof(int64_t) * G);
         const int ready = scores && rows && qs && limit;
@@ -642,11 +721,12 @@ int mw_paged_attention_run(const float* q, const void* k_cache, const void* v_ca
                 const int64_t* table = block_tables + (b0 + r - 1) * table_width;
                 /* an item of all the heads: the first head's pass asks for the keys' and values'
                    rows of every KV head (a slot's heads lie side by side), the passes of the
-                   others then find them in this core's cache, and DRAM is read in whole runs of
-                   a block, not a head's 1/Hkv */
+                   others then find them in this core's cache and ask for nothing (their
+                   prefetches, of lines already in L2, took ~12% of a 1,024-key item), and DRAM is
+                   read in whole runs of a block, not a head's 1/Hkv */
                 attend(qs, live * group, D, k_cache, v_cache, k_scales, v_scales, kv_type, table,
                        block_size, Hkv, h, t0, t1, limit, scale, scores, rows, scores + G * span, o,
-                       ml, ml + G, heads_per_item > 1 && h == 0 ? Hkv * row_bytes : row_bytes);
+                       ml, ml + G, heads_per_item > 1 ? (h == 0 ? Hkv * row_bytes : 0) : row_bytes);
                 for (int64_t i = 0, k = 0; i < r; i++) {
                     const int64_t len = seq_lens[b0 + i];
                     if (whole) {  /* one range: normalized in place */
