@@ -258,6 +258,35 @@ def test_verification_rows_attend_together_and_each_as_alone(isa, fmt, block, he
         _close(out, _attention_ref(q, k_cache, v_cache, seq_lens, tables, 0.3))
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("heads, dim", [(8, 64), (12, 16), (6, 128)])
+def test_wide_gqa_groups_score_keys_as_narrow_ones(isa, fmt, heads, dim):
+    """More than 4 query heads on a KV head take the 16-key score code (AVX-512 builds); the
+    same heads in groups of at most 4 take the 8-key one. Both add a key's products in one
+    order, so every head's output is the same bits either way, at every length up to past the
+    128-key split (padded last chunks included)."""
+    g = torch.Generator().manual_seed(heads * dim)
+    block, lens = 16, [1, 15, 16, 17, 33, 128, 129, 200]
+    num_blocks = sum(-(-n // block) for n in lens) + 1
+    pool = torch.randperm(num_blocks, generator=g).tolist()
+    tables = []
+    for n in lens:
+        tables.append(pool[:-(-n // block)])
+        pool = pool[len(tables[-1]):]
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    seq_lens = torch.tensor(lens, dtype=torch.long)
+    k_cache = _cache(torch.randn(num_blocks, block, 1, dim, generator=g), fmt)
+    v_cache = _cache(torch.randn(num_blocks, block, 1, dim, generator=g), fmt)
+    q = torch.randn(len(lens), heads, dim, generator=g)
+    wide = paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, 0.3)
+    for h0 in range(0, heads, 4):
+        narrow = paged_decode_attention(q[:, h0:h0 + 4].contiguous(), k_cache, v_cache, bt, seq_lens, 0.3)
+        assert torch.equal(wide[:, h0:h0 + 4], narrow), h0
+    if fmt == "fp32":
+        _close(wide, _attention_ref(q, k_cache, v_cache, seq_lens, tables, 0.3))
+
+
 def test_attention_inputs_outside_the_cache_are_refused():
     q, k_cache, v_cache, bt, lens, _ = _attention_case(3, 4, 4, 2, 16, seed=9)
     bad = [
