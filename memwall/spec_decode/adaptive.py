@@ -208,9 +208,32 @@ class DraftLengths:
         from prompt lookup (``Proposer.drafts_free``): no drafting time, and their own
         acceptance estimate (lookup_first.py: a chat's lookup drafts were accepted 60% of the
         time, its EAGLE head's 35-42%; one estimate for both priced each kind wrong)."""
+        return self.choose_among(request_id, batch, drafted, (free,))[0]
+
+    def choose_among(self, request_id: str, batch: int, drafted: int,
+                     kinds: tuple[bool, ...]) -> tuple[int, bool]:
+        """(drafts, free) for this sequence's next step: the kind of drafts (``free``: prompt
+        lookup's; else the drafter's) and count that gain the most, as ``choose`` prices
+        each. A sequence with a lookup match under ``lookup_first`` may draft either way:
+        lookup's drafts cost nothing but may be accepted far less often than a draft model's
+        (90% on HumanEval for Qwen2.5-Coder-0.5B)."""
         if not self.adaptive:
-            return self.max_k
-        self._priced_free[request_id] = free
+            return self.max_k, kinds[0]
+        best_k, best_gain, best_free = 0, MIN_GAIN, kinds[0]
+        for free in kinds:
+            k, gain = self._best(request_id, batch, drafted, free)
+            if k and gain > best_gain:
+                best_k, best_gain, best_free = k, gain, free
+        self._priced_free[request_id] = best_free
+        rows = max(1, batch) + max(0, drafted)
+        if best_k == 0 and self._probe_due(rows + 1):
+            self._quiet_steps = 0
+            return 1, best_free
+        return best_k, best_free
+
+    def _best(self, request_id: str, batch: int, drafted: int, free: bool) -> tuple[int, float]:
+        """The draft count with the largest gain over MIN_GAIN for drafts of one kind, and
+        that gain ((0, MIN_GAIN) where none passes)."""
         rate, batch = self.rate(request_id, free), max(1, batch)
         rows = batch + max(0, drafted)
         drafting = 0.0  # lookup's drafts cost no drafting time
@@ -228,10 +251,7 @@ class DraftLengths:
             gain = expected_tokens(rate, k) - 1.0 - extra * batch / base
             if gain > best_gain:
                 best_k, best_gain = k, gain
-        if best_k == 0 and self._probe_due(rows + 1):
-            self._quiet_steps = 0
-            return 1
-        return best_k
+        return best_k, best_gain
 
     def _probe_due(self, rows: int) -> bool:
         """A draft now, against the price: after PROBE_AFTER steps without one, where a step

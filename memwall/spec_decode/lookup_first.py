@@ -5,8 +5,12 @@ A chat reply restates its prompt and itself: in 20 ShareGPT chats, SmolLM2-135M'
 40% of their tokens from prompt-lookup verifications (2.7 tokens a verify, 60% of the drafts
 accepted), where an EAGLE head drafting every token has 35-42% of its drafts accepted and pays
 a small forward per drafted token. So a sequence whose last tokens recur earlier in it drafts
-what followed there (ngram.py: free, often long), and the model drafts only for the sequences
-with no match. Each draft is verified as any other, so the output is unchanged.
+what followed there (ngram.py: free, often long), and the model drafts for the sequences with
+no match. Where a sequence has a match, the adaptive lengths price both (adaptive.py
+``choose_among``: lookup free, at its own acceptance estimate; the model at its drafting cost
+and estimate) and the sequence drafts the better way (``DraftRequest.by_lookup``): code whose
+earlier lines recur but do not repeat, whose lookup drafts keep failing, keeps the model's
+drafts instead of none. Each draft is verified as any other, so the output is unchanged.
 
 The drafter keeps following every sequence (an EAGLE head's features are recorded each step;
 its cache catches up over the entries it skipped when the sequence next needs it), so a
@@ -29,6 +33,8 @@ from memwall.spec_decode.proposer import DraftRequest, Proposer
 
 
 class LookupFirstProposer(Proposer):
+    lookup_or_model = True
+
     def __init__(self, lookup: NgramProposer, drafter: Proposer) -> None:
         self.lookup, self.drafter = lookup, drafter
         self.wants_features = drafter.wants_features
@@ -49,7 +55,7 @@ class LookupFirstProposer(Proposer):
         for r in requests:
             seen = self._matches.get(r.request_id)
             fresh = seen is not None and seen[0] == len(r.token_ids)
-            begin = seen[1] if fresh else self.lookup.match(r.token_ids)
+            begin = None if r.by_lookup is False else seen[1] if fresh else self.lookup.match(r.token_ids)
             if begin is None:
                 rest.append(r)
             else:

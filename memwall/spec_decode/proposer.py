@@ -16,6 +16,10 @@ class DraftRequest:
     """Every known token of the sequence (prompt, then output), int64 [n]."""
     max_drafts: int
     """Draft at most this many tokens (>= 1)."""
+    by_lookup: bool | None = None
+    """Where a proposer can draft either way (lookup_first.py): True, from prompt lookup;
+    False, from its model even where lookup has a match (its drafts were the likelier
+    accepted, adaptive.py); None, lookup where it has a match."""
 
 
 class Proposer(ABC):
@@ -43,6 +47,10 @@ class Proposer(ABC):
         acceptance apart from the drafter's (adaptive.py). Asked each step before ``propose``
         for the same tokens."""
         return False
+
+    lookup_or_model = False
+    """True where a sequence that ``drafts_free`` may also draft from the proposer's model
+    instead (lookup_first.py): the runner then prices both and asks for the better."""
 
     def priced_tokens(self, drafts: dict[str, list[int]]) -> int:
         """How many of ``drafts`` (this proposer's last answer) cost drafting time: the

@@ -416,12 +416,14 @@ class ModelRunner:
         # the ones before it added to the step (adaptive.py)
         contexts.sort(key=lambda c: -self.draft_lengths.rate(c[0], c[2]))
         requests, drafted = [], 0
+        either = self.proposer.lookup_or_model  # a lookup match may still take the model's drafts
         for request_id, tokens, free in contexts:
-            k = self.draft_lengths.choose(request_id, batch, drafted, free)
+            kinds = (True, False) if free and either else (free,)
+            k, free = self.draft_lengths.choose_among(request_id, batch, drafted, kinds)
             if k == 0:
                 continue
             drafted += k
-            requests.append(DraftRequest(request_id, tokens, k))
+            requests.append(DraftRequest(request_id, tokens, k, by_lookup=free if either else None))
         self.draft_lengths.end_step(bool(requests))
         if not requests:
             return

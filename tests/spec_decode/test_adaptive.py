@@ -245,3 +245,28 @@ def test_free_drafts_keep_an_estimate_of_their_own_and_no_drafting_price():
     assert lengths.knows("a")
     lengths.forget(["a"])
     assert not lengths.knows("a") and lengths.rate("a", free=True) == lengths.rate("b")
+
+
+def test_a_lookup_match_takes_the_drafters_drafts_where_they_gain_more():
+    """lookup_first: a sequence whose lookup drafts keep failing but whose draft model's are
+    accepted drafts from the model even where lookup has a match (``choose_among``), and
+    from lookup where that gains more; the verification's outcome goes to the estimate of
+    the kind that drafted."""
+    lengths = DraftLengths(4, StepCost({1: 1.0, 8: 1.2}), draft_cost=StepCost({1: 0.05}))
+    for _ in range(6):
+        lengths.choose_among("a", 1, 0, (True,))
+        lengths.observe("a", 4, 0)  # lookup's drafts: none accepted
+        lengths.choose_among("a", 1, 0, (False,))
+        lengths.observe("a", 4, 4)  # the model's: all
+    assert lengths.choose_among("a", 1, 0, (True,))[0] == 0  # lookup alone: not worth a row
+    k, free = lengths.choose_among("a", 1, 0, (True, False))
+    assert k == 4 and free is False
+    lengths.observe("a", 4, 4)  # counted for the model's drafts, the kind last chosen
+    assert lengths.rate("a", free=False) > 0.9 > 0.1 > lengths.rate("a", free=True)
+    # the other way round: free lookup drafts, all accepted, win over a paid model
+    for _ in range(12):
+        lengths.choose_among("b", 1, 0, (True,))
+        lengths.observe("b", 4, 4)
+        lengths.choose_among("b", 1, 0, (False,))
+        lengths.observe("b", 4, 2)
+    assert lengths.choose_among("b", 1, 0, (True, False)) == (4, True)

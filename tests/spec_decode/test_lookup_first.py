@@ -128,3 +128,21 @@ def test_propose_routes_by_the_match_drafts_free_found_without_searching_again()
     longer = DraftRequest("repeats", np.array([1, 2, 3, 4, 5, 1, 2, 3, 4]), 2)
     assert proposer.propose([longer]) == {"repeats": [5, 1]}  # not asked first: searched
     assert searches == [8, 5, 9]
+
+
+def test_a_request_can_send_a_matched_sequence_to_the_drafter():
+    """DraftRequest.by_lookup: False sends a sequence with a lookup match to the drafter (its
+    drafts priced as drafting time), True or None keeps the lookup's."""
+    drafter = Recorder()
+    proposer = LookupFirstProposer(NgramProposer(2, 3), drafter)
+    tokens = np.array([1, 2, 3, 4, 5, 1, 2, 3])
+    assert proposer.lookup_or_model
+    assert proposer.drafts_free("a", tokens)
+    assert proposer.propose([DraftRequest("a", tokens, 3, by_lookup=False)]) == {"a": [7, 7, 7]}
+    assert drafter.asked == ["a"]
+    assert proposer.drafts_free("a", tokens)
+    drafts = proposer.propose([DraftRequest("a", tokens, 3, by_lookup=False)])
+    assert proposer.priced_tokens(drafts) == 3  # the drafter drafted it last time too: timed
+    assert proposer.propose([DraftRequest("a", tokens, 3, by_lookup=True)]) == {"a": [4, 5, 1]}
+    assert proposer.propose([DraftRequest("a", tokens, 3)]) == {"a": [4, 5, 1]}
+    assert drafter.asked == ["a", "a"]
