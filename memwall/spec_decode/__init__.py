@@ -18,8 +18,9 @@ Proposers sit behind one small ABC (proposer.py):
                                   allocates that cache, then builds it)
     eagle         eagle.py        an EAGLE-1/2 head (published checkpoint layout) over the
                                   target's hidden states, which the runner hands it each step
-    lookup_first  lookup_first.py prompt lookup where it matches, draft_model's or eagle's
-                                  drafter for the other sequences ("lookup_first": true)
+    lookup_first  lookup_first.py prompt lookup where it matches and pays more, draft_model's
+                                  or eagle's drafter elsewhere (on for those methods unless
+                                  "lookup_first": false)
 """
 
 from __future__ import annotations

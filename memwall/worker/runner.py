@@ -88,7 +88,7 @@ class ModelRunner:
     def _make_proposer(self, spec: SpeculativeConfig, draft: LoadedModel | None,
                        plan: KVCachePlan, dtype: torch.dtype) -> Proposer:
         proposer = self._make_drafter(spec, draft, plan, dtype)
-        if not spec.lookup_first:
+        if not spec.uses_lookup_first:
             return proposer
         from memwall.spec_decode.lookup_first import LookupFirstProposer
         from memwall.spec_decode.ngram import NgramProposer
@@ -156,6 +156,8 @@ class ModelRunner:
         if self.spec is None:
             return ""
         text = f"; speculative decoding: {self.spec.method}, up to {self.spec.num_speculative_tokens} drafts"
+        if self.spec.uses_lookup_first:
+            text += ", prompt lookup where it pays more"
         cost = self.draft_lengths.cost
         if cost is not None and self.draft_lengths.adaptive:
             k = self.spec.num_speculative_tokens

@@ -82,7 +82,7 @@ def test_draft_model_drafts_below_the_cut_and_keeps_greedy_output(target, noisy_
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     plain = LLM(str(target), num_kv_blocks=256, block_size=4).generate(ps, params)
     spec = {"method": "draft_model", "model": str(noisy_draft), "num_speculative_tokens": 4,
-            "adaptive": False, "draft_vocab_size": CUT}
+            "adaptive": False, "draft_vocab_size": CUT, "lookup_first": False}  # the drafter's own
     llm = LLM(str(target), speculative_config=spec, num_kv_blocks=60, block_size=4,
               max_num_batched_tokens=24, max_num_seqs=6)
     out = llm.generate(ps, params)
@@ -120,7 +120,7 @@ def test_eagle_drafts_below_the_cut_and_keeps_greedy_output(target, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     plain = LLM(str(target), num_kv_blocks=256, block_size=4).generate(ps, params)
     spec = {"method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 3,
-            "adaptive": False, "draft_vocab_size": CUT}
+            "adaptive": False, "draft_vocab_size": CUT, "lookup_first": False}  # the head's own
     llm = LLM(str(target), speculative_config=spec, num_kv_blocks=256, block_size=4)
     out = llm.generate(ps, params)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]

@@ -245,7 +245,8 @@ def test_on_cpu_the_head_drafts_from_int8_panels_close_to_its_float_weights(tiny
     err = (outs[1] - outs[0]).norm() / outs[0].norm()
     assert 0 < err < 0.03, err  # quantized (not the float weights), within int8's rounding
 
-    llm = LLM(str(tiny_target), speculative_config=eagle(tiny_head, k=3), num_kv_blocks=128, block_size=4)
+    config = {**eagle(tiny_head, k=3), "lookup_first": False}  # the head's own drafts
+    llm = LLM(str(tiny_target), speculative_config=config, num_kv_blocks=128, block_size=4)
     proposer = llm.engine.core.executor.worker.runner.proposer
     assert isinstance(proposer.head.fc, QuantLinear) and proposer.fast_path is not None
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -265,7 +266,8 @@ def test_a_requantized_head_drafts_from_4_bit_weights_with_greedy_output_unchang
     from memwall import LLM, SamplingParams
     from memwall.spec_decode.draft_vocab import DraftVocabHead
 
-    config = {**eagle(tiny_head, k=3), "requantize": "q4_1", "draft_vocab_size": vocab}
+    config = {**eagle(tiny_head, k=3), "requantize": "q4_1", "draft_vocab_size": vocab,
+              "lookup_first": False}  # the head's own drafts
     llm = LLM(str(tiny_target), speculative_config=config, num_kv_blocks=128, block_size=4)
     proposer = llm.engine.core.executor.worker.runner.proposer
     layer = proposer.head.layers[0]

@@ -66,6 +66,15 @@ def test_lookup_first_is_checked_in_the_config(config, message):
         SpeculativeConfig.parse(config)
 
 
+def test_lookup_first_is_on_by_default_for_drafters_and_can_be_turned_off():
+    assert SpeculativeConfig.parse({"method": "draft_model", "model": "m"}).uses_lookup_first
+    assert SpeculativeConfig.parse({"method": "eagle", "model": "h"}).uses_lookup_first
+    assert not SpeculativeConfig.parse({"method": "draft_model", "model": "m",
+                                        "lookup_first": False}).uses_lookup_first
+    assert not SpeculativeConfig.parse({"method": "ngram"}).uses_lookup_first
+    assert not SpeculativeConfig.parse({"method": "ngram", "lookup_first": False}).uses_lookup_first
+
+
 def test_greedy_equals_plain_with_both_sources_drafting(target, noisy_draft, draft_sources):
     """A draft model with lookup first, prompts that repeat (lookup matches) beside random
     ones (the drafter's), in one batch and with preemption: the plain output, both sources
