@@ -123,11 +123,16 @@ class LearnedStepCost:
         self._seconds: dict[int, float] = {}  # rows -> running average of observed steps
         self._counts: dict[int, int] = {}
         self._seen: list[int] = []  # sorted row counts with MIN_SAMPLES steps or more
+        self._priced: dict[int, float] = {}
+        """rows -> cost since the last observed step: every sequence of a step prices the same
+        row counts (16 sequences x 5 counts a 16-row step took 0.19 of _propose's 0.28 s in a
+        32-request run), and a cost changes only when a step is observed."""
 
     def observe(self, rows: int, seconds: float) -> None:
         """A decode/verify step of ``rows`` rows took ``seconds`` (wall time, Python included)."""
         if rows < 1 or seconds <= 0:
             return
+        self._priced.clear()
         count = self._counts.get(rows, 0)
         if count == 0:
             self._seconds[rows] = seconds
@@ -147,6 +152,12 @@ class LearnedStepCost:
         return self._seconds[rows] / self.startup(rows)
 
     def __call__(self, rows: int) -> float:
+        seconds = self._priced.get(rows)
+        if seconds is None:
+            seconds = self._priced[rows] = self._price(rows)
+        return seconds
+
+    def _price(self, rows: int) -> float:
         seen = self._seen
         if not seen:
             return self.startup(rows)
@@ -187,7 +198,6 @@ class DraftLengths:
         then on (``observe_step``); ``draft_cost``: the drafter's (None: free)."""
         self.max_k, self.adaptive = max_k, adaptive and cost is not None
         self.cost = LearnedStepCost(cost) if cost is not None else None
-        self._step_costs: dict[int, float] = {}  # rows -> cost, for the sequences of one step
         self.draft_cost = draft_cost
         self.drafting_s: float | None = None  # measured seconds per drafted token (a sequence's)
         self._estimates: dict[tuple[str, bool], _Estimate] = {}  # (request, free drafts)
@@ -242,26 +252,17 @@ class DraftLengths:
             drafting = self.draft_cost(batch) / batch
         if not free and self.drafting_s is not None:
             drafting = max(drafting, self.drafting_s)
-        base = self._cost(rows)
+        base = self.cost(rows)
         best_k, best_gain = 0, MIN_GAIN
         for k in range(1, self.max_k + 1):
             # never below nothing: steps of a count seen cold (one-row steps follow prefills)
             # can average above those of the next, and a row priced below zero is drafted
             # whatever its acceptance
-            extra = max(0.0, self._cost(rows + k) - base) + k * drafting
+            extra = max(0.0, self.cost(rows + k) - base) + k * drafting
             gain = expected_tokens(rate, k) - 1.0 - extra * batch / base
             if gain > best_gain:
                 best_k, best_gain = k, gain
         return best_k, best_gain
-
-    def _cost(self, rows: int) -> float:
-        """cost(rows), kept for the rest of the step: every sequence of a step prices the same
-        row counts (16 sequences x 5 counts a 16-row step: 0.19 of _propose's 0.28 s in a
-        32-request run), and the costs change only when a step is observed."""
-        seconds = self._step_costs.get(rows)
-        if seconds is None:
-            seconds = self._step_costs[rows] = self.cost(rows)
-        return seconds
 
     def _probe_due(self, rows: int) -> bool:
         """A draft now, against the price: after PROBE_AFTER steps without one, where a step
@@ -279,7 +280,6 @@ class DraftLengths:
         update it and it keeps them from happening (as the acceptance estimates drift back to
         their prior, ``idle``)."""
         self._quiet_steps = 0 if drafted else self._quiet_steps + 1
-        self._step_costs.clear()
         if not drafted and self.drafting_s is not None:
             floor = self.draft_cost(1) if self.draft_cost is not None else 0.0
             if self.drafting_s > floor:
@@ -289,7 +289,6 @@ class DraftLengths:
         """The target ran a decode/verify step of ``rows`` rows in ``seconds``."""
         if self.cost is not None:
             self.cost.observe(rows, seconds)
-            self._step_costs.clear()
 
     def observe_drafting(self, seconds: float, tokens: int) -> None:
         """The proposer spent ``seconds`` drafting ``tokens`` tokens (all its sequences'); a

@@ -53,9 +53,11 @@ class LookupFirstProposer(Proposer):
     def propose(self, requests: list[DraftRequest]) -> dict[str, list[int]]:
         drafts, rest = {}, []
         for r in requests:
-            seen = self._matches.get(r.request_id)
-            fresh = seen is not None and seen[0] == len(r.token_ids)
-            begin = None if r.by_lookup is False else seen[1] if fresh else self.lookup.match(r.token_ids)
+            begin = None
+            if r.by_lookup is not False:  # False: the drafter's, match or not
+                seen = self._matches.get(r.request_id)
+                fresh = seen is not None and seen[0] == len(r.token_ids)
+                begin = seen[1] if fresh else self.lookup.match(r.token_ids)
             if begin is None:
                 rest.append(r)
             else:

@@ -567,8 +567,7 @@ int mw_decode_step(const mw_model* m, float* x, int64_t B, const int64_t* positi
             if (rc != MW_OK) break;
         }
         if (L->attn_out_norm)
-            STAGE(0, for (int64_t b = 0; b < B; b++)
-                         rms_norm(act + b * Hd, L->attn_out_norm, act + b * Hd, Hd, m->eps));
+            STAGE(0, norm_rows(act, NULL, L->attn_out_norm, act, B, Hd, m->eps));
         STAGE(0, norm_rows(x, act, L->post_norm, h, B, Hd, m->eps));
         STAGE(5, proj_apply(&L->gate_up, h, B, big, 2 * inter, tmp));  /* [B, gate | up] */
         STAGE(8, lora_apply(&L->lora_gate_up, &lora, h, big, 2 * inter));
@@ -580,12 +579,11 @@ int mw_decode_step(const mw_model* m, float* x, int64_t B, const int64_t* positi
             if (rc != MW_OK) break;
         }
         if (L->ffn_out_norm)
-            STAGE(0, for (int64_t b = 0; b < B; b++)
-                         rms_norm(h + b * Hd, L->ffn_out_norm, h + b * Hd, Hd, m->eps));
+            STAGE(0, norm_rows(h, NULL, L->ffn_out_norm, h, B, Hd, m->eps));
         STAGE(0, for (int64_t i = 0; i < B * Hd; i++) x[i] += h[i]);
     }
     if (rc == MW_OK && m->final_norm)  /* NULL: a pipeline stage before the last */
-        for (int64_t b = 0; b < B; b++) rms_norm(x + b * Hd, m->final_norm, x + b * Hd, Hd, m->eps);
+        norm_rows(x, NULL, m->final_norm, x, B, Hd, m->eps);
     free(h); free(big); free(attn); free(act); free(tmp); free(qbuf);
     lora_step_free(&lora);
     return rc;
