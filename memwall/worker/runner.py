@@ -399,41 +399,51 @@ class ModelRunner:
         if limit is not None and batch > limit:
             return
         reading = any(rid not in out.sampled for rid in sched.num_scheduled_tokens)
-        contexts = []  # (request id, all its tokens, whether its drafts would be free)
-        for request_id, sampled in out.sampled.items():
+        lengths = self.draft_lengths
+        held = []  # (request id, its row) of the sequences that got a token
+        for request_id in out.sampled:
             row = self.rows.row_of.get(request_id)
             if row is None:
                 continue  # a fork child's first token: it joins the rows next step
             if request_id not in out.accepted_drafts:
-                self.draft_lengths.idle(request_id)
-            if reading:
-                continue  # no drafts this step; every sequence's evidence still ages
+                lengths.idle(request_id)
+            held.append((request_id, row))
+        if reading:
+            return  # no drafts this step; every sequence's evidence still aged
+        # where even the best estimate's free drafts would not pay (a full batch on a CPU
+        # whose rows are compute-bound), no sequence drafts: skip pricing each one
+        best = max((max(lengths.rate(rid, True), lengths.rate(rid, False)) for rid, _ in held),
+                   default=0.0)
+        if not lengths.could_draft(batch, best):
+            lengths.end_step(False)
+            return
+        contexts = []  # (request id, all its tokens, whether its drafts would be free)
+        for request_id, row in held:
+            sampled = out.sampled[request_id]
             known = self.rows.token_ids[row, :self.rows.num_tokens[row]]
             new = [t.token_id for t in out.accepted_drafts.get(request_id, ())] + [sampled.token_id]
             tokens = np.concatenate([known, new])
             contexts.append((request_id, tokens, self.proposer.drafts_free(request_id, tokens)))
-        if reading:
-            return
         # the likeliest to be accepted choose first: each prices its drafts against the rows
         # the ones before it added to the step (adaptive.py)
-        contexts.sort(key=lambda c: -self.draft_lengths.rate(c[0], c[2]))
+        contexts.sort(key=lambda c: -lengths.rate(c[0], c[2]))
         requests, drafted = [], 0
         either = self.proposer.lookup_or_model  # a lookup match may still take the model's drafts
         for request_id, tokens, free in contexts:
             kinds = (True, False) if free and either else (free,)
-            k, free = self.draft_lengths.choose_among(request_id, batch, drafted, kinds)
+            k, free = lengths.choose_among(request_id, batch, drafted, kinds)
             if k == 0:
                 continue
             drafted += k
             requests.append(DraftRequest(request_id, tokens, k, by_lookup=free if either else None))
-        self.draft_lengths.end_step(bool(requests))
+        lengths.end_step(bool(requests))
         if not requests:
             return
         started = time.perf_counter()
         out.draft_token_ids = self.proposer.propose(requests)
-        if all(self.draft_lengths.knows(r.request_id) for r in requests):  # no prompt read
-            self.draft_lengths.observe_drafting(time.perf_counter() - started,
-                                                self.proposer.priced_tokens(out.draft_token_ids))
+        if all(lengths.knows(r.request_id) for r in requests):  # no prompt read
+            lengths.observe_drafting(time.perf_counter() - started,
+                                     self.proposer.priced_tokens(out.draft_token_ids))
 
     def _all_plain_greedy(self, request_ids: list[str], sched: SchedulerOutput) -> bool:
         """Whether every row samples its argmax with nothing to adjust or report (no grammar

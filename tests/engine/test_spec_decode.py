@@ -230,3 +230,30 @@ def test_a_drafters_first_call_on_a_sequence_is_not_timed_as_drafting(tiny_llama
         assert was_timed == all(i in seen for i in ids), (ids, seen)
         seen.update(ids)
     assert sum(was_timed for _, was_timed in calls) >= len(calls) - 3
+
+
+def test_a_step_no_draft_could_pay_for_asks_no_sequence(tiny_llama):
+    """Where the draft-length policy says no sequence of a step could gain from drafts
+    (``could_draft``: a full batch on compute-bound rows), the runner asks the proposer
+    about none of them; the output is the same as without speculation."""
+    llm = LLM(str(tiny_llama), speculative_config={**NGRAM, "adaptive": True},
+              num_kv_blocks=256, block_size=4)
+    runner = llm.engine.core.executor.worker.runner
+    asked = []
+    drafts_free = runner.proposer.drafts_free
+
+    def asking(request_id, tokens):
+        asked.append(request_id)
+        return drafts_free(request_id, tokens)
+
+    runner.proposer.drafts_free = asking
+    prompts = repetitive_prompts(4, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    drafted = [o.metrics.num_draft_tokens for o in llm.generate(prompts, params)]
+    assert asked and sum(drafted) > 0  # the policy's own answer: these repeats draft
+    asked.clear()
+    runner.draft_lengths.could_draft = lambda batch, rate: False
+    outs = llm.generate(prompts, params)
+    assert not asked and sum(o.metrics.num_draft_tokens for o in outs) == 0
+    _, plain = run(tiny_llama, prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]

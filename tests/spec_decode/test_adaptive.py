@@ -270,3 +270,31 @@ def test_a_lookup_match_takes_the_drafters_drafts_where_they_gain_more():
         lengths.choose_among("b", 1, 0, (False,))
         lengths.observe("b", 4, 2)
     assert lengths.choose_among("b", 1, 0, (True, False)) == (4, True)
+
+
+def test_could_draft_says_no_only_where_no_sequence_of_the_step_would_draft():
+    """The runner skips pricing a step's sequences when ``could_draft`` says none would. At
+    every batch size and estimate, its no means that a sequence at or below that estimate
+    drafts nothing of either kind; where rows are nearly free it says yes; a due probe is a
+    yes whatever the price."""
+    cost = StepCost({1: 1.0, 4: 1.3, 16: 4.0, 24: 6.0})  # rows cheap up to 4, then a quarter each
+    lengths = DraftLengths(4, cost, draft_cost=StepCost({1: 0.05, 16: 0.4}))
+    answers = set()
+    for accepted in range(5):  # estimates from ~0.1 to ~0.97, for lookup's drafts and a model's
+        for request_id, free in (("lookup", True), ("model", False)):
+            lengths.forget([request_id])
+            for _ in range(8):
+                lengths.choose(request_id, batch=1, free=free)
+                lengths.observe(request_id, 4, accepted)
+            rate = lengths.rate(request_id, free)
+            for batch in range(1, 25):
+                could = lengths.could_draft(batch, rate)
+                answers.add(could)
+                if not could:
+                    assert lengths.choose(request_id, batch, 0, free) == 0, (rate, batch)
+    assert answers == {True, False}
+    assert lengths.could_draft(1, 0.6) and not lengths.could_draft(16, 1.0)
+    for _ in range(PROBE_AFTER):
+        lengths.end_step(False)
+    assert lengths.could_draft(16, 0.0)  # 17 rows were never timed: a probe is due
+    assert DraftLengths(4, cost, adaptive=False).could_draft(16, 0.0)  # k drafts every step
