@@ -22,7 +22,13 @@ sequence whose drafts keep failing stops drafting. While it does not draft its e
 back to the prior, so it tries again now and then (text changes: a chat turns to quoting code).
 Where the price keeps every sequence from drafting, one draft is tried now and then
 (``PROBE_AFTER``) while its step's row count was never timed: a cost guessed too high from the
-start-up table is measured instead of kept.
+start-up table is measured instead of kept. A probe is the step's only draft: the sequences
+after it would price their rows past the probe's, and at 16 sequences that is past the start-up
+table's step up at 17 rows, where it is cheap (1.1 ms a row against 3.3 measured: the table
+times matmuls, not each row's attention), so each added 2 drafts and one probe made a 47-row
+step (a Cascade Lake Xeon, c=16: 100-400 verifies a 64-request run, 0.86-0.89x of plain). The
+mirror: where every step drafts, one step now and then drafts nothing while a plain step of its
+sequences was never timed (a price too low is measured too).
 
 The sequences of one step choose in turn, each against the rows the ones before it already
 added (R = B + their drafts): its k costs C(R + k) - C(R), not C(B + k) - C(B). Sixteen
@@ -110,13 +116,15 @@ class LearnedStepCost:
     start-up figure times the observed / start-up ratio of the seen counts around it
     (interpolated between the nearest below and above, or the nearest one on one side): the
     table keeps its shape, e.g. the step up past 16 rows where the int8 kernels change, and the
-    steps seen set its scale. Outliers (a page fault, the OS taking a core) are clamped to
+    steps seen set its scale; above every count seen, no less than the seen counts' own slope
+    goes on (``_past_seen``). Outliers (a page fault, the OS taking a core) are clamped to
     within ``CLAMP`` times the running figure.
     """
 
     MIN_SAMPLES = 3  # steps of a row count before their average replaces the table
     ALPHA = 0.1  # weight of each new step in the running average (~ the last 10 steps)
     CLAMP = 2.0  # a step counts as at most this many times the running figure (and 1/CLAMP)
+    SLOPE_SPAN = 4  # rows between the seen counts a count past them takes its slope from
 
     def __init__(self, startup: StepCost) -> None:
         self.startup = startup
@@ -157,6 +165,21 @@ class LearnedStepCost:
             seconds = self._priced[rows] = self._price(rows)
         return seconds
 
+    def _past_seen(self, rows: int) -> float:
+        """A count above every count seen, at the slope the seen steps show below the top
+        one (over at least SLOPE_SPAN rows where they reach that far; 0 with one count seen).
+        The start-up table times matmuls and the LM head, not each row's attention, sampling
+        and Python, so its slope is too low where rows are compute-bound: past 16 rows on a
+        Cascade Lake Xeon 1.1 ms a row against 3.2-3.4 ms learned at c=16, and its rows there
+        drafted where they cost more than they brought."""
+        seen, top = self._seen, self._seen[-1]
+        below = [n for n in seen if n <= top - self.SLOPE_SPAN]
+        low = below[-1] if below else seen[0]
+        if low == top:
+            return 0.0
+        slope = (self._seconds[top] - self._seconds[low]) / (top - low)
+        return self._seconds[top] + max(0.0, slope) * (rows - top)
+
     def _price(self, rows: int) -> float:
         seen = self._seen
         if not seen:
@@ -167,7 +190,7 @@ class LearnedStepCost:
         if i == 0:
             ratio = self._ratio(seen[0])
         elif i == len(seen):
-            ratio = self._ratio(seen[-1])
+            return max(self.startup(rows) * self._ratio(seen[-1]), self._past_seen(rows))
         else:
             lo, hi = seen[i - 1], seen[i]
             ratio = self._ratio(lo) + (self._ratio(hi) - self._ratio(lo)) * (rows - lo) / (hi - lo)
@@ -203,6 +226,8 @@ class DraftLengths:
         self._estimates: dict[tuple[str, bool], _Estimate] = {}  # (request, free drafts)
         self._priced_free: dict[str, bool] = {}  # whether a sequence's last choice was free
         self._quiet_steps = 0  # steps in a row in which no sequence drafted (end_step)
+        self._probing = False  # a sequence of this step took a probe: the others draft nothing
+        self._busy_steps = 0  # steps in a row in which some sequence drafted (end_step)
 
     def rate(self, request_id: str, free: bool = False) -> float:
         """The sequence's acceptance estimate for drafts of that kind (``free``: prompt lookup's,
@@ -230,6 +255,8 @@ class DraftLengths:
         (90% on HumanEval for Qwen2.5-Coder-0.5B)."""
         if not self.adaptive:
             return self.max_k, kinds[0]
+        if self._probing or self._plain_probe_due(batch):
+            return 0, kinds[0]
         best_k, best_gain, best_free = 0, MIN_GAIN, kinds[0]
         for free in kinds:
             k, gain = self._best(request_id, batch, drafted, free)
@@ -237,8 +264,8 @@ class DraftLengths:
                 best_k, best_gain, best_free = k, gain, free
         self._priced_free[request_id] = best_free
         rows = max(1, batch) + max(0, drafted)
-        if best_k == 0 and self._probe_due(rows + 1):
-            self._quiet_steps = 0
+        if best_k == 0 and drafted <= 0 and self._probe_due(rows + 1):
+            self._quiet_steps, self._probing = 0, True
             return 1, best_free
         return best_k, best_free
 
@@ -289,6 +316,17 @@ class DraftLengths:
         return (self._quiet_steps >= PROBE_AFTER
                 and self.cost.samples(rows) < LearnedStepCost.MIN_SAMPLES)
 
+    def _plain_probe_due(self, batch: int) -> bool:
+        """A step without drafts now, against the price: after PROBE_AFTER steps that all had
+        drafts, where a plain step of ``batch`` rows was never timed. The mirror of
+        ``_probe_due``: a start-up table that times 17 rows no dearer than 16 (made monotone,
+        one noisy timing does that) prices a sixteenth sequence's draft row at nothing; the
+        learned cost of 16 rows then follows 17's, since no plain 16-row step is ever run to
+        time it, and every step of a c=16 run verified a draft (a Cascade Lake Xeon: 17 rows
+        timed 15 times, 16 never). At most MIN_SAMPLES such steps a row count."""
+        return (self._busy_steps >= PROBE_AFTER
+                and self.cost.samples(max(1, batch)) < LearnedStepCost.MIN_SAMPLES)
+
     def end_step(self, drafted: bool) -> None:
         """Once a step, after its sequences chose: whether any of them drafts. A step without
         drafts moves the measured drafting time back towards the start-up figure: a figure
@@ -296,6 +334,8 @@ class DraftLengths:
         update it and it keeps them from happening (as the acceptance estimates drift back to
         their prior, ``idle``)."""
         self._quiet_steps = 0 if drafted else self._quiet_steps + 1
+        self._busy_steps = self._busy_steps + 1 if drafted else 0
+        self._probing = False
         if not drafted and self.drafting_s is not None:
             floor = self.draft_cost(1) if self.draft_cost is not None else 0.0
             if self.drafting_s > floor:

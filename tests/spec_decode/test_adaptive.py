@@ -298,3 +298,72 @@ def test_could_draft_says_no_only_where_no_sequence_of_the_step_would_draft():
         lengths.end_step(False)
     assert lengths.could_draft(16, 0.0)  # 17 rows were never timed: a probe is due
     assert DraftLengths(4, cost, adaptive=False).could_draft(16, 0.0)  # k drafts every step
+
+
+def test_a_probe_is_the_only_draft_of_its_step():
+    """16 sequences whose rows are priced out; the start-up table steps up at 17 rows and is
+    cheap past it. After PROBE_AFTER quiet steps the first sequence probes one row, and the
+    others, which would price their drafts past that step up, draft nothing; the next step
+    prices as before."""
+    cost = StepCost({1: 1.0, 16: 4.0, 17: 5.0, 48: 6.0})
+    lengths = DraftLengths(4, cost)
+    for _ in range(PROBE_AFTER):
+        lengths.end_step(False)
+    chosen, drafted = [], 0
+    for i in range(16):
+        k = lengths.choose(f"s{i}", batch=16, drafted=drafted, free=True)
+        chosen.append(k)
+        drafted += k
+    assert chosen == [1] + [0] * 15
+    assert lengths.choose("s1", batch=16, drafted=1, free=True) == 0
+    lengths.end_step(True)
+    # past the step up a row is nearly free: a sequence that chooses there still drafts
+    assert lengths.choose("s1", batch=16, drafted=1, free=True) > 0
+
+
+def test_counts_past_the_seen_ones_cost_at_least_the_seen_slope():
+    """The start-up table is flat past 16 rows (matmuls only); the steps seen cost 3 ms a
+    row up to 16. A 20-row step is priced at the seen slope, not the table's, and a sequence
+    accepted 80% of the time does not draft into it (at the table's slope it drafted 4); with a
+    single count seen the table's shape stands."""
+    table = StepCost({1: 10.0, 16: 25.0, 17: 26.0, 64: 30.0})
+    learned = LearnedStepCost(table)
+    for rows in range(8, 17):
+        for _ in range(LearnedStepCost.MIN_SAMPLES):
+            learned.observe(rows, 0.010 + 0.003 * rows)
+    assert learned(20) == pytest.approx(0.058 + 4 * 0.003)
+    assert learned(12) == pytest.approx(0.046)  # seen counts keep their own figure
+    lengths = DraftLengths(4, table)
+    lengths.cost = learned
+    for _ in range(20):
+        lengths.choose("a", batch=16, free=True)
+        lengths.observe("a", 5, 4)
+    assert lengths.rate("a", free=True) == pytest.approx(0.8, abs=0.02)
+    assert lengths.choose("a", batch=16, free=True) == 0
+    alone = LearnedStepCost(table)
+    for _ in range(LearnedStepCost.MIN_SAMPLES):
+        alone.observe(16, 0.050)
+    assert alone(20) == pytest.approx(table(20) * 0.050 / 25.0)
+
+
+def test_where_every_step_drafts_a_plain_step_is_timed_now_and_then():
+    """A start-up table that times 16 rows as dear as 17 prices a sixteenth sequence's draft
+    row at nothing, so every step drafts and no plain 16-row step is timed to say otherwise.
+    After PROBE_AFTER steps with drafts, a step drafts nothing; once plain steps of 16 rows
+    were timed (cheaper than 17), the free row is gone and so are the drafts."""
+    lengths = DraftLengths(1, StepCost({1: 1.0, 16: 5.0, 17: 5.0, 32: 9.0}))
+    chosen = []
+    for _ in range(6 * PROBE_AFTER):
+        k = lengths.choose("a", batch=16, free=True)
+        chosen.append(k)
+        lengths.end_step(k > 0)
+        if k:
+            lengths.observe("a", 1, 1)  # always accepted, and still not worth a 17th row
+            lengths.observe_step(17, 0.0535)
+        else:
+            lengths.observe_step(16, 0.046)
+    first = chosen.index(0)
+    assert first == PROBE_AFTER and all(chosen[:first])
+    plain = [i for i, k in enumerate(chosen) if k == 0]
+    assert plain[:LearnedStepCost.MIN_SAMPLES] == [PROBE_AFTER * n + n - 1 for n in range(1, 4)]
+    assert not any(chosen[plain[LearnedStepCost.MIN_SAMPLES - 1]:])
