@@ -26,7 +26,7 @@ start-up table is measured instead of kept. A probe is the step's only draft: th
 after it would price their rows past the probe's, and at 16 sequences that is past the start-up
 table's step up at 17 rows, where it is cheap (1.1 ms a row against 3.3 measured: the table
 times matmuls, not each row's attention), so each added 2 drafts and one probe made a 47-row
-step (a Cascade Lake Xeon, c=16: 100-400 verifies a 64-request run, 0.86-0.89x of plain). The
+step (a Cascade Lake Xeon, c=16: 110-400 verifies a 64-request run, 0.86-0.89x of plain). The
 mirror: where every step drafts, one step now and then drafts nothing while a plain step of its
 sequences was never timed (a price too low is measured too).
 
