@@ -97,11 +97,25 @@ def chat_prompts(count: int) -> list[str]:
     return chats[:count]
 
 
-def make_llm(model: str | None, threads: int, spec: str | None, max_num_seqs: int):
+def make_llm(model: str | None, threads: int, spec: str | None, max_num_seqs: int,
+             like=None):
+    """An engine for the comparison; ``like``: another engine whose step budget it takes.
+    Each engine measures its budget at start-up, and on a noisy VM two start-ups minutes
+    apart gave 592 and 528 tokens (432 and 544 the next time): the plain and speculative
+    engines then chunked their prompts differently, which c=16's throughput moves with."""
     from memwall import LLM
 
+    extra = {}
+    if like is not None:
+        extra["max_num_batched_tokens"] = like.engine.core.scheduler.config.max_num_batched_tokens
     return LLM(model, threads=threads, speculative_config=spec, max_num_seqs=max_num_seqs,
-               kv_cache_memory=1 << 30)
+               kv_cache_memory=1 << 30, **extra)
+
+
+def same_budget_pair(model: str | None, threads: int, spec: str, max_num_seqs: int):
+    """(plain, speculative) engines with the plain one's measured step budget."""
+    plain = make_llm(model, threads, None, max_num_seqs)
+    return plain, make_llm(model, threads, spec, max_num_seqs, like=plain)
 
 
 def run_alone(llm, prompts: list[str], max_tokens: int) -> dict:
@@ -212,8 +226,7 @@ def main() -> None:
     os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:args.threads]))
     levels = [int(c) for c in args.concurrency.split(",") if c]
     most = max([1, *levels])
-    plain = make_llm(args.model, args.threads, None, most)
-    spec = make_llm(args.model, args.threads, args.spec, most)
+    plain, spec = same_budget_pair(args.model, args.threads, args.spec, most)
     grounded, chat = grounded_prompts(args.grounded), chat_prompts(args.chat)
     print(f"CPU: {cpu_model()}, {args.threads} threads; spec {args.spec}")
     print(f"{'':>15} {'end to end, tok/s':>28} {'decode phase, tok/s':>29}")
@@ -234,6 +247,7 @@ def main() -> None:
     report = {"benchmark": "spec_decode", "cpu": cpu_model(), "threads": args.threads,
               "model": args.model or "embedded SmolLM2-135M-Instruct Q4_1", "spec": _portable(args.spec),
               "max_tokens": args.max_tokens, "runs": args.runs, "rows": rows, "step_ms": costs,
+              "step_budget": plain.engine.core.scheduler.config.max_num_batched_tokens,
               "engine": spec.engine.core.info.description}
     path = write_result("spec_decode", report)
     print(f"wrote {path.relative_to(ROOT)}")
@@ -277,7 +291,7 @@ def draft_pair_row(count: int, threads: int, max_tokens: int, runs: int,
     target, draft = str(fetch("qwen-coder-1.5b")), str(fetch("qwen-coder-0.5b"))
     config = json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": 4,
                          **(extra or {})})
-    plain, spec = make_llm(target, threads, None, 1), make_llm(target, threads, config, 1)
+    plain, spec = same_budget_pair(target, threads, config, 1)
     row = compare("draft pair", plain, spec, run_alone, humaneval_prompts(count), max_tokens, runs)
     row["target"], row["draft"] = "Qwen2.5-Coder-1.5B-Instruct Q4_K_M", "Qwen2.5-Coder-0.5B-Instruct"
     row["config"] = _portable(config)
