@@ -71,6 +71,14 @@ class Replay:
         return self.tokens / cost if cost else 1.0
 
 
+def agreeing(drafts: Sequence[int], rest: Sequence[int]) -> int:
+    """How many of the drafts verification accepts: their prefix equal to the real output."""
+    n = 0
+    while n < len(drafts) and n < len(rest) and drafts[n] == rest[n]:
+        n += 1
+    return n
+
+
 def replay(policy: str, drafter: Drafter, outputs: Sequence[tuple[list[int], list[int]]]) -> Replay:
     """Steps of speculative greedy decoding over known (prompt, output) pairs: each step
     drafts, accepts the drafts' prefix that equals the real output, and yields that plus one
@@ -83,9 +91,7 @@ def replay(policy: str, drafter: Drafter, outputs: Sequence[tuple[list[int], lis
         while t < len(output):
             rest = output[t:]
             drafts = drafter(np.asarray(context, dtype=np.int64), rest)[:len(rest) - 1]
-            accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == rest[accepted]:
-                accepted += 1
+            accepted = agreeing(drafts, rest)
             context.extend(rest[:accepted + 1])
             t += accepted + 1
             tokens, steps, drafted = tokens + accepted + 1, steps + 1, drafted + bool(drafts)
@@ -107,10 +113,7 @@ def exact_lookup_drafter(min_n: int, max_n: int, k: int) -> Drafter:
 
     def draft(context: np.ndarray, rest: list[int]) -> list[int]:
         drafts = lookup(context, rest)
-        n = 0
-        while n < len(drafts) and n < len(rest) and drafts[n] == rest[n]:
-            n += 1
-        return drafts[:n]
+        return drafts[:agreeing(drafts, rest)]
 
     return draft
 
@@ -133,25 +136,16 @@ def best_copy_drafter(k: int) -> Drafter:
 
 
 def row_cost_from(step_ms: dict[int, float]) -> Callable[[int], float]:
-    """A step of d drafts (1 + d rows) in plain one-row steps, linear between and past the
-    measured row counts."""
-    rows = sorted(step_ms)
-    if 1 not in step_ms or len(rows) < 2:
-        raise ValueError(f"need the one-row step and at least one verify size, got {rows}")
-    one = step_ms[1]
+    """A step of d drafts (1 + d rows) in plain one-row steps, as the engine's adaptive policy
+    reads a step table (``StepCost``: linear between the measured row counts, the last slope
+    past them, made monotone)."""
+    from memwall.spec_decode.adaptive import StepCost
 
-    def cost(drafts: int) -> float:
-        n = 1 + drafts
-        if n in step_ms:
-            return step_ms[n] / one
-        lo = max([r for r in rows if r < n], default=rows[0])
-        hi = min([r for r in rows if r > n], default=None)
-        if hi is None:  # past the last: the last two sizes' slope
-            lo, hi = rows[-2], rows[-1]
-        slope = (step_ms[hi] - step_ms[lo]) / (hi - lo)
-        return (step_ms[lo] + slope * (n - lo)) / one
-
-    return cost
+    if 1 not in step_ms or len(step_ms) < 2:
+        raise ValueError("need the one-row step and at least one verify size, got "
+                         f"{sorted(step_ms)}")
+    table = StepCost(step_ms)
+    return lambda drafts: table(1 + drafts) / table(1)
 
 
 def measured_step_ms(args, prompts: list[str]) -> dict[int, float]:
