@@ -197,6 +197,74 @@ class LearnedStepCost:
         return self.startup(rows) * ratio
 
 
+class DraftRowPrice:
+    """What a step's draft rows cost, as a fraction of a plain step of the same sequences
+    timed moments before: drift-proof and batch-aware where LearnedStepCost is neither.
+
+    LearnedStepCost keeps one running figure per row count. On a VM whose speed swung 35-58 ms
+    for the same 16-row plain step within seconds (session 33, a Cascade Lake Xeon, c=16), a
+    count seen rarely keeps the speed of the moments it was seen at, and a count is a mix of
+    batches: 16 rows as 11 sequences + 5 drafts took 35 ms, as 16 sequences 51 ms (fewer
+    contexts to attend). A 20-row count timed while 5 sequences verified 15 drafts came out
+    cheaper than 16 rows, and every sequence of the next 16-sequence steps drafted 4 (80-row
+    steps; 0.88x of no speculation in an interleaved c=16 run). So each verify step of B
+    sequences and d drafts is divided by the running figure of plain steps of B sequences
+    (``REF_ALPHA``: the last few), and that fraction is learned per (B, d); a d not seen at B
+    is interpolated between the seen ones (through 1.0 at d = 0; past the largest, at its
+    average slope). Where B has no verify step seen yet, LearnedStepCost prices."""
+
+    REF_ALPHA = 0.3  # weight of each plain step in its batch's running figure
+    REF_MAX_AGE = 16  # steps after which a batch's plain figure is too old to compare with
+    ALPHA = 0.25  # weight of each verify step in its (batch, drafts) fraction
+    MAX_FRACTION = 64.0  # one verify step counts as at most this many plain steps
+
+    def __init__(self) -> None:
+        self._plain: dict[int, tuple[float, int]] = {}  # B -> (running seconds, step seen at)
+        self._fractions: dict[int, dict[int, float]] = {}  # B -> d -> running fraction
+        self._step = 0
+
+    def observe(self, batch: int, rows: int, seconds: float) -> None:
+        """A decode/verify step of ``batch`` sequences and ``rows`` rows took ``seconds``."""
+        self._step += 1
+        if batch < 1 or rows < batch or seconds <= 0:
+            return
+        ref = self._plain.get(batch)
+        if rows == batch:
+            figure = seconds if ref is None else ref[0] + self.REF_ALPHA * (seconds - ref[0])
+            self._plain[batch] = (figure, self._step)
+            return
+        if ref is None or self._step - ref[1] > self.REF_MAX_AGE:
+            return
+        sample = min(max(seconds / ref[0], 1.0), self.MAX_FRACTION)
+        seen = self._fractions.setdefault(batch, {})
+        d = rows - batch
+        seen[d] = sample if d not in seen else seen[d] + self.ALPHA * (sample - seen[d])
+
+    def knows(self, batch: int) -> bool:
+        return batch in self._fractions and batch in self._plain
+
+    def plain_seconds(self, batch: int) -> float:
+        return self._plain[batch][0]
+
+    def fraction(self, batch: int, rows: int) -> float:
+        """A step of ``batch`` sequences and ``rows`` rows, as a multiple of its plain step;
+        never below that of fewer drafts seen."""
+        d = rows - batch
+        if d <= 0:
+            return 1.0
+        seen = self._fractions[batch]
+        below = max((n for n in seen if n <= d), default=0)
+        above = min((n for n in seen if n > d), default=None)
+        f_below = seen[below] if below else 1.0
+        if below == d:
+            value = f_below
+        elif above is not None:
+            value = f_below + (seen[above] - f_below) * (d - below) / (above - below)
+        else:  # past every count seen: their average slope goes on
+            value = f_below + (f_below - 1.0) / below * (d - below)
+        return max([value, *(f for n, f in seen.items() if n < d)])
+
+
 @dataclass
 class _Estimate:
     accepted: float = PRIOR_RATE * PRIOR_TRIALS
@@ -221,6 +289,7 @@ class DraftLengths:
         then on (``observe_step``); ``draft_cost``: the drafter's (None: free)."""
         self.max_k, self.adaptive = max_k, adaptive and cost is not None
         self.cost = LearnedStepCost(cost) if cost is not None else None
+        self.row_price = DraftRowPrice() if cost is not None else None
         self.draft_cost = draft_cost
         self.drafting_s: float | None = None  # measured seconds per drafted token (a sequence's)
         self._estimates: dict[tuple[str, bool], _Estimate] = {}  # (request, free drafts)
@@ -295,8 +364,18 @@ class DraftLengths:
     def _best_at(self, rate: float, batch: int, drafted: int, drafting: float) -> tuple[int, float]:
         """``_best`` for drafts accepted at ``rate`` that cost ``drafting`` seconds each."""
         rows = batch + max(0, drafted)
-        base = self.cost(rows)
         best_k, best_gain = 0, MIN_GAIN
+        if self.row_price is not None and self.row_price.knows(batch):
+            # the fraction of a plain step of these sequences, timed moments before
+            plain = self.row_price.plain_seconds(batch)
+            base = self.row_price.fraction(batch, rows)
+            for k in range(1, self.max_k + 1):
+                extra = self.row_price.fraction(batch, rows + k) - base + k * drafting / plain
+                gain = expected_tokens(rate, k) - 1.0 - extra * batch / base
+                if gain > best_gain:
+                    best_k, best_gain = k, gain
+            return best_k, best_gain
+        base = self.cost(rows)
         for k in range(1, self.max_k + 1):
             # never below nothing: steps of a count seen cold (one-row steps follow prefills)
             # can average above those of the next, and a row priced below zero is drafted
@@ -341,10 +420,13 @@ class DraftLengths:
             if self.drafting_s > floor:
                 self.drafting_s = floor + DRAFT_TIME_DECAY * (self.drafting_s - floor)
 
-    def observe_step(self, rows: int, seconds: float) -> None:
-        """The target ran a decode/verify step of ``rows`` rows in ``seconds``."""
+    def observe_step(self, rows: int, seconds: float, batch: int | None = None) -> None:
+        """The target ran a decode/verify step of ``rows`` rows (``batch`` sequences, where
+        known) in ``seconds``."""
         if self.cost is not None:
             self.cost.observe(rows, seconds)
+            if batch is not None:
+                self.row_price.observe(batch, rows, seconds)
 
     def observe_drafting(self, seconds: float, tokens: int) -> None:
         """The proposer spent ``seconds`` drafting ``tokens`` tokens (all its sequences'); a

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from memwall.spec_decode.adaptive import (PROBE_AFTER, DraftLengths, LearnedStepCost, StepCost,
-                                          expected_tokens)
+from memwall.spec_decode.adaptive import (PROBE_AFTER, DraftLengths, DraftRowPrice, LearnedStepCost,
+                                          StepCost, expected_tokens)
 
 
 def test_step_cost_interpolates_and_extrapolates():
@@ -367,3 +367,86 @@ def test_where_every_step_drafts_a_plain_step_is_timed_now_and_then():
     plain = [i for i, k in enumerate(chosen) if k == 0]
     assert plain[:LearnedStepCost.MIN_SAMPLES] == [PROBE_AFTER * n + n - 1 for n in range(1, 4)]
     assert not any(chosen[plain[LearnedStepCost.MIN_SAMPLES - 1]:])
+
+
+def _drifting_c16_steps(lengths: DraftLengths, batch: bool) -> None:
+    """A c=16 run on a VM whose speed changes: plain 16-sequence steps cost 50 ms at speed 1,
+    each draft row 3.2 ms more (a whole row's worth: drafts cannot pay). Plain steps run
+    slow; the verify steps (16 sequences + 4 drafts) happen to fall in fast moments (0.6),
+    among plain steps of those moments; a few 16-row steps of 11 sequences + 5 drafts are
+    cheaper still (fewer contexts to attend)."""
+    def step(rows: int, seqs: int, speed: float) -> None:
+        seconds = speed * (50.0 + 3.2 * (rows - seqs) - 1.0 * (16 - seqs)) / 1e3
+        lengths.observe_step(rows, seconds, seqs if batch else None)
+
+    for _ in range(40):
+        step(16, 16, 1.0)
+    for _ in range(LearnedStepCost.MIN_SAMPLES):
+        step(16, 11, 0.6)
+    for _ in range(8):  # the machine sped up a moment ago
+        step(16, 16, 0.6)
+    for _ in range(6):
+        for _ in range(3):
+            step(16, 16, 0.6)
+        step(20, 16, 0.6)
+    for _ in range(20):
+        step(16, 16, 1.0)
+
+
+def test_draft_rows_are_priced_against_plain_steps_of_their_moment_and_batch():
+    """Counted by rows alone, the 20-row steps (timed fast) come out cheaper than the 16-row
+    ones (timed slow), and a sequence accepted 90% of the time drafts 4 for nothing; compared
+    with the plain steps of the same moments and sequences, a draft row costs what it does."""
+    table = StepCost({1: 10.0, 16: 30.0, 17: 32.0, 20: 36.0, 32: 48.0})
+
+    def choice(batch: bool) -> int:
+        lengths = DraftLengths(4, table)
+        _drifting_c16_steps(lengths, batch)
+        for _ in range(10):
+            lengths.observe("a", 4, 4)  # a grounded sequence: 90%+ of its drafts accepted
+        assert lengths.rate("a") > 0.85
+        return lengths.choose("a", batch=16)
+
+    assert choice(batch=False) == 4  # the failure: rows alone, drafting looks free
+    assert choice(batch=True) == 0
+    lengths = DraftLengths(4, table)
+    _drifting_c16_steps(lengths, batch=True)
+    # 4 draft rows cost 12.8 / 50 of a plain step, whatever the speed the steps ran at
+    assert lengths.row_price.fraction(16, 20) == pytest.approx(1.0 + 12.8 / 50.0, rel=0.01)
+
+
+def test_draft_rows_that_pay_still_draft_with_batches_known():
+    """At batch 1 a draft row costs 10% of a step (as measured here): a sequence accepted 80%
+    of the time keeps drafting, one accepted 5% stops."""
+    lengths = DraftLengths(4, StepCost({1: 1.0, 2: 1.5, 5: 3.0}))
+    for _ in range(5):
+        lengths.observe_step(1, 0.010, 1)
+        lengths.observe_step(5, 0.014, 1)
+    assert lengths.row_price.knows(1)
+    assert lengths.row_price.fraction(1, 5) == pytest.approx(1.4, rel=0.01)
+    for _ in range(10):
+        lengths.observe("good", 4, 3)
+        lengths.observe("bad", 4, 0)
+    assert lengths.choose("good", batch=1) >= 3
+    assert lengths.choose("bad", batch=1) == 0
+
+
+def test_a_draft_count_not_seen_is_priced_from_the_seen_ones_of_its_batch():
+    price = DraftRowPrice()
+    price.observe(4, 4, 0.010)
+    price.observe(4, 6, 0.012)  # 2 drafts: 1.2 plain steps
+    price.observe(4, 10, 0.020)  # 6 drafts: 2.0
+    assert price.knows(4) and not price.knows(8)
+    assert price.fraction(4, 4) == 1.0
+    assert price.fraction(4, 5) == pytest.approx(1.1)  # between none and 2
+    assert price.fraction(4, 8) == pytest.approx(1.6)  # between 2 and 6
+    assert price.fraction(4, 12) == pytest.approx(2.0 + 2 * 1.0 / 6)  # their slope goes on
+    price.observe(4, 4, 0.010)
+    price.observe(4, 7, 0.0110)  # 3 drafts timed below 2: never priced below them
+    assert price.fraction(4, 7) == pytest.approx(1.2)
+    for _ in range(DraftRowPrice.REF_MAX_AGE):
+        price.observe(8, 8, 0.015)  # other batches ran: 4 sequences' plain figure is old
+    price.observe(4, 10, 0.040)  # nothing to compare it with
+    assert price.fraction(4, 10) == pytest.approx(2.0)
+    price.observe(2, 3, 0.005)  # a batch never seen plain: nothing learned
+    assert not price.knows(2)
