@@ -211,16 +211,26 @@ class DraftRowPrice:
     sequences and d drafts is divided by the running figure of plain steps of B sequences
     (``REF_ALPHA``: the last few), and that fraction is learned per (B, d); a d not seen at B
     is interpolated between the seen ones (through 1.0 at d = 0; past the largest, at its
-    average slope). Where B has no verify step seen yet, LearnedStepCost prices."""
+    average slope). Where B has no verify step seen yet, LearnedStepCost prices.
+
+    It cannot price drafting out for good: one verify step moves a fraction by at most
+    ``CLAMP`` times its excess (a step the OS interrupted), and where a batch's fractions were
+    not refreshed for ``STALE_STEPS`` steps (``stale``) DraftLengths tries one draft now and
+    then (batch-1 grounded prompts once stopped drafting for a whole run after one slow verify
+    step had priced every draft count at 3 plain steps). Forgetting them instead handed c=16
+    back to the row-count prices every 512 steps, which drafted again (0.95x)."""
 
     REF_ALPHA = 0.3  # weight of each plain step in its batch's running figure
     REF_MAX_AGE = 16  # steps after which a batch's plain figure is too old to compare with
     ALPHA = 0.25  # weight of each verify step in its (batch, drafts) fraction
+    CLAMP = 2.0  # a verify step's excess over its plain step counts as at most this many times
+    STALE_STEPS = 512  # steps after which a batch's fractions, not seen again, are re-probed
     MAX_FRACTION = 64.0  # one verify step counts as at most this many plain steps
 
     def __init__(self) -> None:
         self._plain: dict[int, tuple[float, int]] = {}  # B -> (running seconds, step seen at)
         self._fractions: dict[int, dict[int, float]] = {}  # B -> d -> running fraction
+        self._seen_at: dict[int, int] = {}  # B -> the step its fractions last moved
         self._step = 0
 
     def observe(self, batch: int, rows: int, seconds: float) -> None:
@@ -238,10 +248,18 @@ class DraftRowPrice:
         sample = min(max(seconds / ref[0], 1.0), self.MAX_FRACTION)
         seen = self._fractions.setdefault(batch, {})
         d = rows - batch
-        seen[d] = sample if d not in seen else seen[d] + self.ALPHA * (sample - seen[d])
+        if d in seen:  # the excess over a plain step moves by at most CLAMP times
+            excess = min(max(sample - 1.0, (seen[d] - 1.0) / self.CLAMP), (seen[d] - 1.0) * self.CLAMP)
+            sample = seen[d] + self.ALPHA * (1.0 + excess - seen[d])
+        seen[d] = sample
+        self._seen_at[batch] = self._step
 
     def knows(self, batch: int) -> bool:
         return batch in self._fractions and batch in self._plain
+
+    def stale(self, batch: int) -> bool:
+        """True where ``batch``'s fractions are known but none was seen for STALE_STEPS steps."""
+        return batch in self._seen_at and self._step - self._seen_at[batch] > self.STALE_STEPS
 
     def plain_seconds(self, batch: int) -> float:
         return self._plain[batch][0]
@@ -333,7 +351,7 @@ class DraftLengths:
                 best_k, best_gain, best_free = k, gain, free
         self._priced_free[request_id] = best_free
         rows = max(1, batch) + max(0, drafted)
-        if best_k == 0 and drafted <= 0 and self._probe_due(rows + 1):
+        if best_k == 0 and drafted <= 0 and (self._probe_due(rows + 1) or self._reprobe_due(batch)):
             self._quiet_steps, self._probing = 0, True
             return 1, best_free
         return best_k, best_free
@@ -348,7 +366,8 @@ class DraftLengths:
         if not self.adaptive:
             return True
         batch = max(1, batch)
-        return self._best_at(rate, batch, 0, 0.0)[0] > 0 or self._probe_due(batch + 1)
+        return (self._best_at(rate, batch, 0, 0.0)[0] > 0 or self._probe_due(batch + 1)
+                or self._reprobe_due(batch))
 
     def _best(self, request_id: str, batch: int, drafted: int, free: bool) -> tuple[int, float]:
         """The draft count with the largest gain over MIN_GAIN for drafts of one kind, and
@@ -394,6 +413,13 @@ class DraftLengths:
         at most MIN_SAMPLES probes a row count."""
         return (self._quiet_steps >= PROBE_AFTER
                 and self.cost.samples(rows) < LearnedStepCost.MIN_SAMPLES)
+
+    def _reprobe_due(self, batch: int) -> bool:
+        """A draft now, against the price: after PROBE_AFTER steps without one, where the
+        batch's draft-row fractions were not refreshed for DraftRowPrice.STALE_STEPS steps
+        (a fraction priced too high keeps the verify steps that would lower it from running)."""
+        return (self._quiet_steps >= PROBE_AFTER and self.row_price is not None
+                and self.row_price.stale(max(1, batch)))
 
     def _plain_probe_due(self, batch: int) -> bool:
         """A step without drafts now, against the price: after PROBE_AFTER steps that all had

@@ -450,3 +450,35 @@ def test_a_draft_count_not_seen_is_priced_from_the_seen_ones_of_its_batch():
     assert price.fraction(4, 10) == pytest.approx(2.0)
     price.observe(2, 3, 0.005)  # a batch never seen plain: nothing learned
     assert not price.knows(2)
+
+
+def test_one_slow_verify_step_cannot_price_drafting_out_for_good():
+    """A verify step the OS interrupted moves its fraction a little; where a batch's fractions
+    were not refreshed for STALE_STEPS steps, one draft is tried after PROBE_AFTER quiet steps,
+    and its verify step makes them fresh again."""
+    price = DraftRowPrice()
+    for _ in range(4):
+        price.observe(1, 1, 0.010)
+        price.observe(1, 3, 0.014)
+    assert price.fraction(1, 3) == pytest.approx(1.4)
+    price.observe(1, 1, 0.010)
+    price.observe(1, 3, 0.300)  # 30 plain steps' time
+    # the excess 0.4 moves by at most CLAMP times it, with the running weight ALPHA
+    assert price.fraction(1, 3) == pytest.approx(1.4 + DraftRowPrice.ALPHA * 0.4)
+
+    lengths = DraftLengths(4, StepCost({1: 1.0, 2: 1.1, 3: 1.2, 5: 1.4}))
+    for rows in range(1, 6):  # every row count timed: no probe of LearnedStepCost's is due
+        for _ in range(LearnedStepCost.MIN_SAMPLES):
+            lengths.cost.observe(rows, 0.010 + 0.002 * (rows - 1))
+    lengths.row_price = price
+    for _ in range(10):
+        lengths.observe("a", 4, 0)  # nothing accepted: no draft pays
+    chosen = []
+    for _ in range(DraftRowPrice.STALE_STEPS + 2 * PROBE_AFTER):
+        k = lengths.choose("a", batch=1)
+        chosen.append(k)
+        lengths.end_step(k > 0)
+        lengths.observe_step(1 + k, 0.010 + 0.002 * k, 1)
+    first = chosen.index(1)
+    assert first > DraftRowPrice.STALE_STEPS and sum(chosen) == 1  # one probe, then fresh
+    assert not price.stale(1)
