@@ -213,8 +213,8 @@ class DraftRowPrice:
     is interpolated between the seen ones (through 1.0 at d = 0; past the largest, at its
     average slope). Where B has no verify step seen yet, LearnedStepCost prices.
 
-    It cannot price drafting out for good: one verify step moves a fraction by at most
-    ``CLAMP`` times its excess (a step the OS interrupted), and where a batch's fractions were
+    It cannot price drafting out for good: one verify step counts as at most ``CLAMP`` times
+    its fraction (a step the OS interrupted), and where a batch's fractions were
     not refreshed for ``STALE_STEPS`` steps (``stale``) DraftLengths tries one draft now and
     then (batch-1 grounded prompts once stopped drafting for a whole run after one slow verify
     step had priced every draft count at 3 plain steps). Forgetting them instead handed c=16
@@ -223,7 +223,7 @@ class DraftRowPrice:
     REF_ALPHA = 0.3  # weight of each plain step in its batch's running figure
     REF_MAX_AGE = 16  # steps after which a batch's plain figure is too old to compare with
     ALPHA = 0.25  # weight of each verify step in its (batch, drafts) fraction
-    CLAMP = 2.0  # a verify step's excess over its plain step counts as at most this many times
+    CLAMP = 2.0  # a verify step counts as at most this many times its running fraction
     STALE_STEPS = 512  # steps after which a batch's fractions, not seen again, are re-probed
     MAX_FRACTION = 64.0  # one verify step counts as at most this many plain steps
 
@@ -248,9 +248,8 @@ class DraftRowPrice:
         sample = min(max(seconds / ref[0], 1.0), self.MAX_FRACTION)
         seen = self._fractions.setdefault(batch, {})
         d = rows - batch
-        if d in seen:  # the excess over a plain step moves by at most CLAMP times
-            excess = min(max(sample - 1.0, (seen[d] - 1.0) / self.CLAMP), (seen[d] - 1.0) * self.CLAMP)
-            sample = seen[d] + self.ALPHA * (1.0 + excess - seen[d])
+        if d in seen:  # one step counts as at most CLAMP times the running fraction
+            sample = seen[d] + self.ALPHA * (min(sample, seen[d] * self.CLAMP) - seen[d])
         seen[d] = sample
         self._seen_at[batch] = self._step
 

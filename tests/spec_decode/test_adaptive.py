@@ -463,8 +463,13 @@ def test_one_slow_verify_step_cannot_price_drafting_out_for_good():
     assert price.fraction(1, 3) == pytest.approx(1.4)
     price.observe(1, 1, 0.010)
     price.observe(1, 3, 0.300)  # 30 plain steps' time
-    # the excess 0.4 moves by at most CLAMP times it, with the running weight ALPHA
-    assert price.fraction(1, 3) == pytest.approx(1.4 + DraftRowPrice.ALPHA * 0.4)
+    # counted as at most CLAMP times the running fraction, with the running weight ALPHA
+    assert price.fraction(1, 3) == pytest.approx(1.4 + DraftRowPrice.ALPHA * 1.4)
+    price.observe(1, 1, 0.010)
+    price.observe(1, 2, 0.010)  # a draft row timed free once
+    price.observe(1, 1, 0.010)
+    price.observe(1, 2, 0.013)
+    assert price.fraction(1, 2) > 1.05  # a fraction at 1.0 still moves up
 
     lengths = DraftLengths(4, StepCost({1: 1.0, 2: 1.1, 3: 1.2, 5: 1.4}))
     for rows in range(1, 6):  # every row count timed: no probe of LearnedStepCost's is due
