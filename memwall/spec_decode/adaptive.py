@@ -231,6 +231,7 @@ class DraftRowPrice:
         self._plain: dict[int, tuple[float, int]] = {}  # B -> (running seconds, step seen at)
         self._fractions: dict[int, dict[int, float]] = {}  # B -> d -> running fraction
         self._seen_at: dict[int, int] = {}  # B -> the step its fractions last moved
+        self._priced: dict[tuple[int, int], float] = {}  # (B, rows) -> fraction, until one moves
         self._step = 0
 
     def observe(self, batch: int, rows: int, seconds: float) -> None:
@@ -252,6 +253,7 @@ class DraftRowPrice:
             sample = seen[d] + self.ALPHA * (min(sample, seen[d] * self.CLAMP) - seen[d])
         seen[d] = sample
         self._seen_at[batch] = self._step
+        self._priced.clear()
 
     def knows(self, batch: int) -> bool:
         return batch in self._fractions and batch in self._plain
@@ -265,7 +267,14 @@ class DraftRowPrice:
 
     def fraction(self, batch: int, rows: int) -> float:
         """A step of ``batch`` sequences and ``rows`` rows, as a multiple of its plain step;
-        never below that of fewer drafts seen."""
+        never below that of fewer drafts seen. Kept until a fraction moves: every sequence of
+        a step prices the same counts (4 sequences: 0.06 of _propose's 0.19 s in a run)."""
+        value = self._priced.get((batch, rows))
+        if value is None:
+            value = self._priced[(batch, rows)] = self._fraction(batch, rows)
+        return value
+
+    def _fraction(self, batch: int, rows: int) -> float:
         d = rows - batch
         if d <= 0:
             return 1.0
