@@ -34,6 +34,7 @@ Writes benchmarks/results/spec_decode-<time>.json with the CPU model.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -228,7 +229,7 @@ def run_interleaved(engines: dict, prompts: list[str], max_tokens: int,
     return {label: t.result() for label, t in turns.items()}
 
 
-_interleave_runs = iter(range(1 << 62))  # request ids stay unique across runs
+_interleave_runs = itertools.count()  # request ids stay unique across runs
 
 
 def one_at_a_time(engines: dict, prompts: list[str], max_tokens: int,

@@ -391,23 +391,20 @@ class DraftLengths:
     def _best_at(self, rate: float, batch: int, drafted: int, drafting: float) -> tuple[int, float]:
         """``_best`` for drafts accepted at ``rate`` that cost ``drafting`` seconds each."""
         rows = batch + max(0, drafted)
-        best_k, best_gain = 0, MIN_GAIN
+        cost = self.cost  # seconds of a step of n rows
         if self.row_price is not None and self.row_price.knows(batch):
-            # the fraction of a plain step of these sequences, timed moments before
-            plain = self.row_price.plain_seconds(batch)
-            base = self.row_price.fraction(batch, rows)
-            for k in range(1, self.max_k + 1):
-                extra = self.row_price.fraction(batch, rows + k) - base + k * drafting / plain
-                gain = expected_tokens(rate, k) - 1.0 - extra * batch / base
-                if gain > best_gain:
-                    best_k, best_gain = k, gain
-            return best_k, best_gain
-        base = self.cost(rows)
+            # a fraction of a plain step of these sequences, timed moments before
+            price, plain = self.row_price, self.row_price.plain_seconds(batch)
+
+            def cost(n: int) -> float:
+                return price.fraction(batch, n) * plain
+        base = cost(rows)
+        best_k, best_gain = 0, MIN_GAIN
         for k in range(1, self.max_k + 1):
             # never below nothing: steps of a count seen cold (one-row steps follow prefills)
             # can average above those of the next, and a row priced below zero is drafted
             # whatever its acceptance
-            extra = max(0.0, self.cost(rows + k) - base) + k * drafting
+            extra = max(0.0, cost(rows + k) - base) + k * drafting
             gain = expected_tokens(rate, k) - 1.0 - extra * batch / base
             if gain > best_gain:
                 best_k, best_gain = k, gain
