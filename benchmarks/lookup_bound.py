@@ -197,7 +197,7 @@ def main() -> None:
                         help="the draft counts whose verify steps are timed (others interpolated)")
     parser.add_argument("--max-k", type=int, default=8)
     args = parser.parse_args()
-    from benchmarks.spec_decode import chat_prompts, grounded_prompts, make_llm, run_alone
+    from benchmarks.spec_decode import chat_prompts, grounded_prompts, make_llm, one_at_a_time
 
     os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:args.threads]))
     plain = make_llm(args.model, args.threads, None, 1)
@@ -205,7 +205,7 @@ def main() -> None:
     outputs = {}
     for name, prompts in workloads.items():
         if prompts:
-            ran = run_alone(plain, prompts, args.max_tokens)
+            ran = one_at_a_time({"plain": plain}, prompts, args.max_tokens)["plain"]
             ids = [plain.render_chat([{"role": "user", "content": p}]) for p in prompts]
             outputs[name] = list(zip(ids, [list(o) for o in ran["outputs"]]))
     step_ms = measured_step_ms(args, workloads["grounded"][:args.step_costs])

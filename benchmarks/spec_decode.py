@@ -121,32 +121,6 @@ def same_budget_pair(model: str | None, threads: int, spec: str, max_num_seqs: i
     return plain, make_llm(model, threads, spec, max_num_seqs, like=plain)
 
 
-def run_alone(llm, prompts: list[str], max_tokens: int) -> dict:
-    """Each prompt alone; output tokens / total wall time (prefill included), and the decode
-    phase alone: tokens after the first / time after the first (what speculation can speed up;
-    llama.cpp's tg figures measure the same)."""
-    from memwall import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    tokens, outputs, drafts, accepted, steps = 0, [], 0, 0, 0
-    decode_tokens, decode_seconds = 0, 0.0
-    start = time.perf_counter()
-    for prompt in prompts:
-        out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
-        ids = out.outputs[0].token_ids
-        tokens += len(ids)
-        outputs.append(ids)
-        m = out.metrics
-        drafts, accepted, steps = (drafts + m.num_draft_tokens, accepted + m.num_accepted_tokens,
-                                   steps + m.num_verify_steps)
-        decode_tokens += len(ids) - 1
-        decode_seconds += m.finished_time - m.first_token_time
-    elapsed = time.perf_counter() - start
-    return {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed, "outputs": outputs,
-            "decode_tok_s": decode_tokens / decode_seconds if decode_seconds else None,
-            "draft_tokens": drafts, "accepted_tokens": accepted, "verify_steps": steps}
-
-
 class _Turns:
     """One engine's side of run_interleaved: its queue of requests, and the time of its steps."""
 
@@ -207,7 +181,8 @@ def run_interleaved(engines: dict, prompts: list[str], max_tokens: int,
     """The same requests to every engine, stepped in turn (one step of each, in the dict's
     order, while each has work): each engine's tokens/s is its output tokens over the time of
     its own steps. ``at_once``: requests an engine has in flight at most (1: one prompt after
-    another, as run_alone, with its decode-phase figure; None: all at once).
+    another, with its decode-phase figure: tokens after the first / time of the steps after the
+    first, what speculation can speed up and llama.cpp's tg figures measure; None: all at once).
 
     Why: this VM's speed moved 223-365 tok/s between back-to-back c=16 runs of one engine
     (session 33, a Cascade Lake Xeon) and 48-98 tok/s between batch-1 runs, so runs one after
@@ -351,7 +326,7 @@ def step_costs(llm, prompts: list[str], max_tokens: int) -> dict[int, float]:
 
     core.executor.execute = timed
     try:
-        run_alone(llm, prompts, max_tokens)
+        one_at_a_time({"timed": llm}, prompts, max_tokens)
     finally:
         core.executor.execute = execute
     costs = {n: 1e3 * statistics.median(t) for n, t in sorted(times.items()) if len(t) >= 5}
