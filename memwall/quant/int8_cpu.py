@@ -83,15 +83,29 @@ class NativeQ8(QuantMethod):
 
     name = "int8"
 
+    def __init__(self, group_size: int | None = None) -> None:
+        """``group_size``: inputs one scale covers when a float weight is quantized (None: the
+        whole row, per-channel; 32: GGUF Q8_0's blocks, which pack into the 16-row panels
+        of memwall/kernels/cpu/panels.py, the fast path on AVX-512 VNNI)."""
+        if group_size is not None and (group_size <= 0 or group_size % _K_ALIGN):
+            raise ValueError(f"int8: a group of {group_size} inputs is not a multiple of {_K_ALIGN}")
+        self.group_size = group_size
+
     def supports(self, out_features: int, in_features: int) -> bool:
-        return in_features % _K_ALIGN == 0
+        return in_features % (self.group_size or _K_ALIGN) == 0
 
     def create_weights(self, weight: torch.Tensor) -> QuantWeights:
         n, k = weight.shape
         if not self.supports(n, k):
-            raise ValueError(f"int8: in_features {k} must be a multiple of {_K_ALIGN}")
-        q, scale = quantize_int8(weight)
-        return self.from_codes(q, scale[:, None], torch.zeros(n, 1), source="int8 per-channel")
+            raise ValueError(f"int8: in_features {k} must be a multiple of "
+                             f"{self.group_size or _K_ALIGN}")
+        if self.group_size is None:
+            q, scale = quantize_int8(weight)
+            return self.from_codes(q, scale[:, None], torch.zeros(n, 1), source="int8 per-channel")
+        groups = k // self.group_size
+        q, scale = quantize_int8(weight.reshape(n * groups, self.group_size))
+        return self.from_codes(q.reshape(n, k), scale.reshape(n, groups), torch.zeros(n, groups),
+                               source=f"int8 g{self.group_size}")
 
     def from_codes(self, q: torch.Tensor, s: torch.Tensor, c: torch.Tensor, source: str) -> QuantWeights:
         """q [N, K] int8-range codes; s, c [N, K/G] float with G % 16 == 0."""

@@ -334,7 +334,10 @@ class ModelRunner:
         count them, min_tokens' banned ids end where they would, and a structured-output
         request's grammar mask is the one after drafts 0..j-1 (``masks``, one row each)."""
         rows = [r for v in verify for r in v.rows]
-        raw = logits[rows]  # [R, V]
+        # consecutive rows (every row of a batch-1 step) as a view: an index list copies R
+        # vocabulary-wide rows (0.1-0.2 ms of a two-row step on a Cascade Lake Xeon)
+        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+        raw = logits[rows[0]:rows[0] + len(rows)] if contiguous else logits[rows]  # [R, V]
         meta, gens, work = None, None, raw
         # plain greedy sequences only: the sampler's metadata would change nothing (argmaxes)
         if masks or not all(_plain_greedy(self.rows.states[v.request_id].sampling_params)

@@ -162,6 +162,27 @@ def test_native_float_quantizers_and_concat():
 
 
 @needs_native
+def test_int8_with_a_scale_every_32_values():
+    """NativeQ8(group_size=32) quantizes as GGUF's Q8_0 (a scale a 32-value block, no offset):
+    a row whose other blocks are 100x larger keeps its small block's precision, which one
+    scale a row loses; bad group sizes and widths are refused."""
+    torch.manual_seed(3)
+    w = torch.randn(32, 128) * 0.01
+    w[:, 64:] *= 100  # blocks 2 and 3 of every row dwarf blocks 0 and 1
+    x = torch.randn(3, 128)
+    grouped, per_row = NativeQ8(group_size=32).create_weights(w), NativeQ8().create_weights(w)
+    assert grouped.source == "int8 g32" and tuple(grouped.tensors["s"].shape) == (32, 4)
+    x_small = x.clone()
+    x_small[:, 64:] = 0  # only the small blocks count
+    errors = [rel_err(QuantLinear(q)(x_small), F.linear(x_small, w)) for q in (grouped, per_row)]
+    assert errors[0] < 0.01 < errors[1], errors
+    assert rel_err(QuantLinear(grouped)(x), F.linear(x, w)) < 0.01
+    assert not NativeQ8(group_size=32).supports(16, 48)
+    with pytest.raises(ValueError):
+        NativeQ8(group_size=24)
+
+
+@needs_native
 def test_bf16_activations_come_back_bf16():
     layer = QuantLinear(NativeQ8().create_weights(torch.randn(16, 32)))
     assert layer(torch.randn(2, 32, dtype=torch.bfloat16)).dtype == torch.bfloat16

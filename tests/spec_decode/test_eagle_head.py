@@ -230,6 +230,12 @@ def test_on_cpu_the_head_drafts_from_int8_panels_close_to_its_float_weights(tiny
     assert isinstance(int8_head.fc, QuantLinear)
     assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and isinstance(layer.mlp.gate_up_proj, QuantLinear)
     assert not hasattr(layer.self_attn, "q_proj")
+    from memwall.kernels.cpu import panels
+    if panels.available():  # a scale a 32 values: the packed panels, not the row layout
+        from memwall.quant.packing import PanelMethod
+        linears = [m for m in int8_head.modules() if isinstance(m, QuantLinear)]
+        assert linears and all(isinstance(m.method, PanelMethod) for m in linears)
+        assert all(m.source == "int8 g32" for m in linears)
     g = torch.Generator().manual_seed(2)
     T, H = 9, target.arch.hidden_size
     embeds, feats = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
