@@ -122,15 +122,15 @@ CPU_LAYOUTS: dict[str, tuple[str, float]] = {
     "Q5_0": ("q8", 9), "Q5_1": ("q8", 9), "Q8_0": ("q8", 9), "IQ4_NL": ("q8", 9),
     "Q5_K": ("q8", 10), "IQ4_XS": ("q8", 10), "Q6_K": ("q8", 12), "Q2_K": ("q8", 12),
     "Q3_K": ("q8", 12),
-    "int4": ("q4", 6), "int8": ("q8", 8),
+    "int4": ("q4", 6), "int8": ("q8", 9),
     "F32": ("f32", 32), "F16": ("f32", 32), "BF16": ("f32", 32), "fp32": ("f32", 32),
 }
 """Weight format -> (the layout memwall's CPU kernels read it in, bits a weight takes there),
 as memwall/quant/gguf_repack.py repacks GGUF blocks and memwall/quant quantizes float weights
 (memwall/kernels/cpu/layout.py): q4 holds 4-bit codes and a scale and offset per 32 weights,
 float16 where exact (Q4_0/Q4_1: 5 bits) else float32 (K-quants, our own int4: 6 bits); q8
-holds int8 codes with float16 (9 bits) or float32 tables per 32 (10) or 16 (12) weights, or one
-per row (our int8: 8). Float GGUF tensors load in the compute dtype (float32 on the CPU)."""
+holds int8 codes with float16 (9 bits: also our int8, whose bf16-rounded scales fp16 holds) or
+float32 tables per 32 (10) or 16 (12) weights. Float GGUF tensors load in the compute dtype (float32 on the CPU)."""
 
 
 def cpu_layout(fmt: str) -> tuple[str, float]:

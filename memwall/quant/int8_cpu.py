@@ -86,20 +86,20 @@ class NativeQ8(QuantMethod):
     def __init__(self, group_size: int | None = None) -> None:
         """``group_size``: inputs one scale covers when a float weight is quantized (None: the
         whole row, per-channel; 32: GGUF Q8_0's blocks, which pack into the 16-row panels
-        of memwall/kernels/cpu/panels.py, the fast path on AVX-512 VNNI)."""
+        of memwall/kernels/cpu/panels.py, the fast path on AVX-512 VNNI). A weight whose rows
+        do not split into whole groups is quantized per-channel."""
         if group_size is not None and (group_size <= 0 or group_size % _K_ALIGN):
             raise ValueError(f"int8: a group of {group_size} inputs is not a multiple of {_K_ALIGN}")
         self.group_size = group_size
 
     def supports(self, out_features: int, in_features: int) -> bool:
-        return in_features % (self.group_size or _K_ALIGN) == 0
+        return in_features % _K_ALIGN == 0
 
     def create_weights(self, weight: torch.Tensor) -> QuantWeights:
         n, k = weight.shape
         if not self.supports(n, k):
-            raise ValueError(f"int8: in_features {k} must be a multiple of "
-                             f"{self.group_size or _K_ALIGN}")
-        if self.group_size is None:
+            raise ValueError(f"int8: in_features {k} must be a multiple of {_K_ALIGN}")
+        if self.group_size is None or k % self.group_size:
             q, scale = quantize_int8(weight)
             return self.from_codes(q, scale[:, None], torch.zeros(n, 1), source="int8 per-channel")
         groups = k // self.group_size

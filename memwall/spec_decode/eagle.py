@@ -80,14 +80,10 @@ class EagleHead(nn.Module):
         the panels' 0.23 ms (int4) on a Cascade Lake Xeon, 2 threads: the drafted token cost
         ~0.2 of a target step, and EAGLE gained little there."""
         from memwall.models.llama import fuse_layer_projections
-        from memwall.quant.int8_cpu import NativeQ8
         from memwall.quant.packing import pack_model
-        from memwall.quant.transform import get_quant_method, quantize_model
+        from memwall.quant.transform import quantize_model
 
-        chosen = get_quant_method(method)
-        if isinstance(chosen, NativeQ8):
-            chosen = NativeQ8(group_size=32)
-        report = quantize_model(self, chosen)
+        report = quantize_model(self, method)
         for layer in self.layers:
             fuse_layer_projections(layer)
         pack_model(self)

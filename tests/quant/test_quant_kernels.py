@@ -177,7 +177,8 @@ def test_int8_with_a_scale_every_32_values():
     errors = [rel_err(QuantLinear(q)(x_small), F.linear(x_small, w)) for q in (grouped, per_row)]
     assert errors[0] < 0.01 < errors[1], errors
     assert rel_err(QuantLinear(grouped)(x), F.linear(x, w)) < 0.01
-    assert not NativeQ8(group_size=32).supports(16, 48)
+    odd = NativeQ8(group_size=32).create_weights(torch.randn(16, 48))  # 48 = 32 + 16: per row
+    assert odd.source == "int8 per-channel" and tuple(odd.tensors["s"].shape) == (16, 1)
     with pytest.raises(ValueError):
         NativeQ8(group_size=24)
 
