@@ -83,12 +83,17 @@ def _q4_1(b: torch.Tensor) -> torch.Tensor:
     return d * q + m
 
 
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
 def q5_codes(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
     """Q5_0/Q5_1's 5-bit codes 0..31 [n, 32]: the low 4 bits as Q4_0's nibbles, bit 4 of value j
-    is bit j of the little-endian 32-bit qh."""
-    lo = _nibbles(qs, 16).reshape(qs.shape[0], 32)
-    hi = _bits(qh, range(8), 0x01, 4).permute(0, 1, 3, 2).reshape(qh.shape[0], 32)
-    return lo | (hi << 4)
+    is bit j of the little-endian 32-bit qh. (qh read as one int32 a block and shifted 32 ways:
+    3.6x faster than byte-wise bit fields, which took 2 of Qwen2.5-Coder-0.5B's 7 s load.)"""
+    q = qs.contiguous()
+    lo = torch.cat([q & 0x0F, q >> 4], dim=1)  # values 0..15 low nibbles, 16..31 high
+    bits = qh.contiguous().view(torch.int32)  # [n, 1]
+    return lo | (((bits >> _BIT_SHIFTS) & 1).to(torch.uint8) << 4)
 
 
 def _q5_0(b: torch.Tensor) -> torch.Tensor:
