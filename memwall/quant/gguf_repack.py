@@ -189,11 +189,11 @@ def _q4_k_packed(qs: torch.Tensor) -> torch.Tensor:
 
 def _n_q5_0(b: torch.Tensor) -> Codes:
     d = _f16(b[:, :2])
-    return q5_codes(b[:, 2:6], b[:, 6:]).to(torch.int8) - 16, d, torch.zeros_like(d)
+    return q5_codes(b[:, 2:6], b[:, 6:]).view(torch.int8).sub_(16), d, torch.zeros_like(d)
 
 
 def _n_q5_1(b: torch.Tensor) -> Codes:
-    return q5_codes(b[:, 4:8], b[:, 8:]).to(torch.int8), _f16(b[:, :2]), _f16(b[:, 2:4])
+    return q5_codes(b[:, 4:8], b[:, 8:]).view(torch.int8), _f16(b[:, :2]), _f16(b[:, 2:4])
 
 
 def _n_k_scales(b: torch.Tensor) -> tuple[Factored, Factored]:
