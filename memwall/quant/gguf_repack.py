@@ -187,13 +187,38 @@ def _q4_k_packed(qs: torch.Tensor) -> torch.Tensor:
     return torch.stack([first, second], dim=2).reshape(-1, 128)
 
 
+def _c_codes(name: str, b: torch.Tensor, per_block: int, dtype: torch.dtype,
+             *args: int) -> torch.Tensor | None:
+    """A block type's codes from gguf_codes.c (the same bytes as the torch operations beside
+    each caller, at the speed of reading the file: those ran ~3 ns a byte), or None where the
+    native kernels are not built (MEMWALL_NATIVE=0, no compiler)."""
+    from memwall.kernels.cpu import build
+
+    lib = build.lib() if _C_CODES_ON else None
+    if lib is None:
+        return None
+    b = b.contiguous()
+    out = torch.empty(b.shape[0], per_block, dtype=dtype)
+    getattr(lib, name)(b.data_ptr(), b.shape[0], b.shape[1], *args, out.data_ptr())
+    return out
+
+
+_C_CODES_ON = True  # tests turn it off to compare the C codes with the torch ones
+
+
 def _n_q5_0(b: torch.Tensor) -> Codes:
     d = _f16(b[:, :2])
-    return q5_codes(b[:, 2:6], b[:, 6:]).view(torch.int8).sub_(16), d, torch.zeros_like(d)
+    q = _c_codes("mw_gguf_q5_codes", b, 32, torch.int8, 2, 6, 16)
+    if q is None:
+        q = q5_codes(b[:, 2:6], b[:, 6:]).view(torch.int8).sub_(16)
+    return q, d, torch.zeros_like(d)
 
 
 def _n_q5_1(b: torch.Tensor) -> Codes:
-    return q5_codes(b[:, 4:8], b[:, 8:]).view(torch.int8), _f16(b[:, :2]), _f16(b[:, 2:4])
+    q = _c_codes("mw_gguf_q5_codes", b, 32, torch.int8, 4, 8, 0)
+    if q is None:
+        q = q5_codes(b[:, 4:8], b[:, 8:]).view(torch.int8)
+    return q, _f16(b[:, :2]), _f16(b[:, 2:4])
 
 
 def _n_k_scales(b: torch.Tensor) -> tuple[Factored, Factored]:
@@ -204,7 +229,8 @@ def _n_k_scales(b: torch.Tensor) -> tuple[Factored, Factored]:
 
 
 def _n_q4_k(b: torch.Tensor) -> Codes:
-    return (_q4_k_packed(b[:, 16:]), *_n_k_scales(b))
+    q = _c_codes("mw_gguf_q4_k_codes", b, 128, torch.uint8)
+    return (q if q is not None else _q4_k_packed(b[:, 16:]), *_n_k_scales(b))
 
 
 def _n_q5_k(b: torch.Tensor) -> Codes:
@@ -225,11 +251,13 @@ def _n_q6_k(b: torch.Tensor) -> Codes:
     b & 15 | (h >> 2 & 3) << 4, a >> 4 | (h >> 4 & 3) << 4, b >> 4 | (h >> 6) << 4, minus 32
     (ggml's dequantize_row_q6_K), in byte operations."""
     n = b.shape[0]
-    a, bb = b[:, 0:128].reshape(n, 2, 2, 32).unbind(2)  # [n, 2 halves, 32]
-    h = b[:, 128:192].reshape(n, 2, 32)
-    q = torch.stack([(a & 0x0F) | ((h & 0x03) << 4), (bb & 0x0F) | ((h & 0x0C) << 2),
-                     (a >> 4) | (h & 0x30), (bb >> 4) | ((h >> 2) & 0x30)], dim=2)
-    q = (q.view(torch.int8) - 32).reshape(n, QK_K)
+    q = _c_codes("mw_gguf_q6_k_codes", b, QK_K, torch.int8)
+    if q is None:
+        a, bb = b[:, 0:128].reshape(n, 2, 2, 32).unbind(2)  # [n, 2 halves, 32]
+        h = b[:, 128:192].reshape(n, 2, 32)
+        q = torch.stack([(a & 0x0F) | ((h & 0x03) << 4), (bb & 0x0F) | ((h & 0x0C) << 2),
+                         (a >> 4) | (h & 0x30), (bb >> 4) | ((h >> 2) & 0x30)], dim=2)
+        q = (q.view(torch.int8) - 32).reshape(n, QK_K)
     d = _f16(b[:, 208:210])
     return q, (d, b[:, 192:208].contiguous().view(torch.int8)), _zeros(d, 16)  # 16 per block
 

@@ -119,3 +119,25 @@ def test_native_layouts_keep_the_reference_weights_in_few_bytes(qtype):
                else quant_ops.q8_dequantize(t["codes"], t["s"], t["c"]))
     assert torch.equal(rebuilt, dequantize(raw, qtype, (rows, cols)))
     assert sum(v.numel() * v.element_size() for v in t.values()) == NATIVE_BYTES[qtype] * rows * cols
+
+
+@pytest.mark.skipif(not quant_ops.available(), reason="no C compiler for the native kernels")
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_codes_from_c_equal_the_torch_shuffles(qtype, monkeypatch):
+    """gguf_codes.c's codes (the native load path) are the torch byte operations' bytes, on
+    random blocks (every code value, both nibbles, every qh bit), in several threads' shares
+    (10,000 blocks pass every parallel threshold), scales and offsets untouched."""
+    from memwall.quant import gguf_repack
+
+    raw = random_blocks(qtype, 40, 64000 if qtype in (Q.Q4_K, Q.Q6_K) else 8000, seed=11)
+    shape = (40, raw.size // 40 * GGML_QUANT_SIZES[qtype][0] // GGML_QUANT_SIZES[qtype][1])
+    from_c = []
+    real = gguf_repack._c_codes
+    monkeypatch.setattr(gguf_repack, "_c_codes", lambda *a: from_c.append(real(*a)) or from_c[-1])
+    fast = repack(raw, qtype, shape, backend="native")
+    assert len(from_c) == 1 and from_c[0] is not None  # the codes came from C
+    monkeypatch.setattr(gguf_repack, "_C_CODES_ON", False)
+    slow = repack(raw, qtype, shape, backend="native")
+    assert set(fast.tensors) == set(slow.tensors)
+    for name, t in slow.tensors.items():
+        assert torch.equal(fast.tensors[name], t), name

@@ -31,7 +31,8 @@ logger = logging.getLogger("memwall")
 HERE = Path(__file__).resolve().parent
 SOURCES = ("quant_gemm.c", "int_gemm.c", "int8_dot.c", "int8_tiles.c", "panel_gemm.c",
            "packed_gemm.c",
-           "paged_attention.c", "decode.c", "elementwise.c", "split_bf16.c", "shm_comm.c")
+           "paged_attention.c", "decode.c", "elementwise.c", "split_bf16.c", "shm_comm.c",
+           "gguf_codes.c")
 HEADERS = ("kernels.h",)
 INT8_TILES_MODES = {"0": 0, "1": 1, "all": 2}  # MEMWALL_INT8_TILES -> mw_set_int8_tiles
 # -ffp-contract=off: a weight s * q + c is rounded as the reference dequantizer rounds it.
@@ -227,6 +228,9 @@ def _declare(cdll: ctypes.CDLL) -> None:
                                              i64, i64, f32, i64, p]),
         "mw_decode_step": (i32, [p, p, i64, p, p, p, p, i64, p, p, p]),
         "mw_profile": (None, [i32, p]),
+        "mw_gguf_q4_k_codes": (None, [p, i64, i64, p]),
+        "mw_gguf_q6_k_codes": (None, [p, i64, i64, p]),
+        "mw_gguf_q5_codes": (None, [p, i64, i64, i64, i64, i32, p]),
         "mw_shm_bytes": (i64, [i64, i64]),
         "mw_shm_init": (None, [p, i64, i64]),
         "mw_shm_attach": (i32, [p, p, i64, i64, f64]),

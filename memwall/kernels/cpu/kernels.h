@@ -19,6 +19,7 @@
  *     split_bf16.c       hi + lo bf16 operands for split-bf16 (AMX) prefill matmuls (amx.py)
  *     shm_comm.c         all-reduce, all-gather and barrier of tensor-parallel ranks on one
  *                        host, through shared memory (memwall/distributed/shm_comm.py)
+ *     gguf_codes.c       GGUF blocks (Q4_K, Q6_K, Q5_0/Q5_1) -> the layouts' codes, at load
  *
  * Each file picks its code path from the compiler's target macros (__AVX512F__, __AVX2__ with
  * __FMA__, or plain C), so one source builds for every CPU. Sizes: every function takes zero
@@ -175,6 +176,12 @@ void mw_rms_norm(const float* x, const float* residual, const float* w, float* o
 void mw_gated_act(const float* gu, int64_t rows, int64_t inter, int act, float* out);
 int mw_rope(float* x, int64_t ld, const int64_t* positions, int64_t rows, int64_t heads,
             int64_t head_dim, const float* cos, const float* sin, int64_t max_positions);
+
+/* gguf_codes.c: n blocks of `stride` bytes -> their codes (memwall/quant/gguf_repack.py) */
+void mw_gguf_q4_k_codes(const uint8_t* blocks, int64_t n, int64_t stride, uint8_t* out);
+void mw_gguf_q6_k_codes(const uint8_t* blocks, int64_t n, int64_t stride, int8_t* out);
+void mw_gguf_q5_codes(const uint8_t* blocks, int64_t n, int64_t stride, int64_t qh_at,
+                      int64_t qs_at, int bias, int8_t* out);
 
 /* split_bf16.c: a = hi + lo, hi = bf16(a) (nearest even), lo = a - hi, both as float32 */
 void mw_split_bf16(const float* x, int64_t n, float* hi, float* lo);
