@@ -94,7 +94,8 @@ def q5_codes(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
     """Q5_0/Q5_1's 5-bit codes 0..31 [n, 32] uint8: the low 4 bits as Q4_0's nibbles, bit 4 of
     value j is bit j of the little-endian 32-bit qh. (A table spreads each qh byte, in chunks
     written into the result: 0.2 s for the 136M values of Qwen2.5-Coder-0.5B's embedding where
-    byte-wise bit fields took 0.7 s, most of its load's repacking.)"""
+    byte-wise bit fields took 0.7 s. Loading with the native kernels built takes
+    gguf_codes.c's loop instead; this stays the reference and the fallback.)"""
     n = qs.shape[0]
     out = torch.empty(n, 32, dtype=torch.uint8)
     for a in range(0, n, _Q5_CHUNK):

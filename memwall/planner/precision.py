@@ -130,7 +130,8 @@ as memwall/quant/gguf_repack.py repacks GGUF blocks and memwall/quant quantizes 
 (memwall/kernels/cpu/layout.py): q4 holds 4-bit codes and a scale and offset per 32 weights,
 float16 where exact (Q4_0/Q4_1: 5 bits) else float32 (K-quants, our own int4: 6 bits); q8
 holds int8 codes with float16 (9 bits: also our int8, whose bf16-rounded scales fp16 holds) or
-float32 tables per 32 (10) or 16 (12) weights. Float GGUF tensors load in the compute dtype (float32 on the CPU)."""
+float32 tables per 32 (10) or 16 (12) weights. Float GGUF tensors load in the compute dtype
+(float32 on the CPU)."""
 
 
 def cpu_layout(fmt: str) -> tuple[str, float]:

@@ -187,6 +187,9 @@ def _q4_k_packed(qs: torch.Tensor) -> torch.Tensor:
     return torch.stack([first, second], dim=2).reshape(-1, 128)
 
 
+_C_CODES_ON = True  # tests turn it off to compare the C codes with the torch ones
+
+
 def _c_codes(name: str, b: torch.Tensor, per_block: int, dtype: torch.dtype,
              *args: int) -> torch.Tensor | None:
     """A block type's codes from gguf_codes.c (the same bytes as the torch operations beside
@@ -201,9 +204,6 @@ def _c_codes(name: str, b: torch.Tensor, per_block: int, dtype: torch.dtype,
     out = torch.empty(b.shape[0], per_block, dtype=dtype)
     getattr(lib, name)(b.data_ptr(), b.shape[0], b.shape[1], *args, out.data_ptr())
     return out
-
-
-_C_CODES_ON = True  # tests turn it off to compare the C codes with the torch ones
 
 
 def _n_q5_0(b: torch.Tensor) -> Codes:
