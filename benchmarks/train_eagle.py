@@ -12,8 +12,9 @@ final hidden states f_t are computed once, with the target's greedy token after 
 not the next token people wrote). The head learns, at every position t, to predict f_{t+1}
 from (embedding of x_{t+1}, f_t), with EAGLE's loss: smooth L1 on the feature plus 0.1 x
 cross-entropy of the target's LM head on it against the target's greedy token after f_{t+1}.
-With ``--draft-vocab N`` (default 8,192) that head and loss cover the first N ids only, as the
-drafter runs with ``"draft_vocab_size": N`` (draft_vocab.py): several times cheaper a position on
+With ``--draft-vocab N`` (default 8,192) that head and loss cover the first N ids only, and the
+head's config.json says ``"draft_vocab_size": N``, so the drafter runs among them
+(draft_vocab.py) unless the speculative config names another size: several times cheaper a position on
 SmolLM2's 49,152 ids, so more data fits the hour; positions whose greedy token lies past N
 count for the feature loss only. The benchmark's chat prompts are never trained on
 (``EVALUATION_CHATS``). The LM head and embedding stay frozen (read from the target).
@@ -319,9 +320,11 @@ def main() -> None:
               f"{after:.1%} ({time.monotonic() - started:.0f} s)", flush=True)
         if time.monotonic() > deadline:
             break
+    if lm_head.shape[0] < arch.vocab_size:  # the runner drafts among these ids by default
+        hf_config["draft_vocab_size"] = lm_head.shape[0]
     save_head(head, hf_config, Path(args.out))
-    vocab = (f', run it with "draft_vocab_size": {lm_head.shape[0]}'
-             if lm_head.shape[0] < arch.vocab_size else "")
+    vocab = (f', drafting among the first {lm_head.shape[0]} ids (its config.json\'s '
+             f'"draft_vocab_size")' if lm_head.shape[0] < arch.vocab_size else "")
     print(f"saved {args.out} (CPU: {cpu_model()}, {args.threads} threads, "
           f"{'bf16 autocast' if args.bf16 else 'float32'}{vocab})")
 

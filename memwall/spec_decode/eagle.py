@@ -17,7 +17,9 @@ layout; ``benchmarks/train_eagle.py`` is to write it.
 ``EagleProposer`` drafts with it: the runner hands it the target's final hidden states every
 step (``Proposer.record``), its paged cache catches up on them, then it drafts k greedy tokens.
 The target's LM head is most of a drafted token's cost; ``draft_vocab_size`` cuts it to the
-first ids' rows (draft_vocab.py).
+first ids' rows (draft_vocab.py). A head trained among the first N ids says so in its
+config.json (``"draft_vocab_size": N``, EAGLE-3's key; train_eagle.py writes it), and drafts
+among them by default.
 """
 
 from __future__ import annotations
@@ -47,10 +49,15 @@ class EagleHeadError(ValueError):
 
 
 class EagleHead(nn.Module):
-    def __init__(self, arch: ModelArchConfig, fc_bias: bool) -> None:
+    def __init__(self, arch: ModelArchConfig, fc_bias: bool,
+                 draft_vocab_size: int | None = None) -> None:
         super().__init__()
         hidden = arch.hidden_size
         self.config = arch
+        self.draft_vocab_size = draft_vocab_size
+        """The first ids the head was trained to draft among (its config.json's
+        ``draft_vocab_size``, as benchmarks/train_eagle.py writes it), or None: the whole
+        vocabulary. The runner drafts among them unless the speculative config names its own."""
         self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
         self.layers = nn.ModuleList([DecoderLayer(arch)])
         self.layers[0].input_layernorm = nn.Identity()
@@ -112,8 +119,15 @@ def load_eagle_head(directory: str | Path, target: ModelArchConfig,
     if arch.hidden_size != target.hidden_size:
         raise EagleHeadError(f"{path}: hidden size {arch.hidden_size}, the target's is "
                              f"{target.hidden_size}: a head drafts for the model it was trained on")
+    draft_vocab = config.get("draft_vocab_size")
+    if draft_vocab is not None and (isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int)
+                                    or not 1 <= draft_vocab <= target.vocab_size):
+        raise EagleHeadError(f"{path}: draft_vocab_size must be an integer in 1.."
+                             f"{target.vocab_size} (the target's vocabulary), got {draft_vocab!r}")
+    if draft_vocab == target.vocab_size:
+        draft_vocab = None  # the whole vocabulary: nothing to cut
     weights = _read_weights(path)
-    head = EagleHead(arch, fc_bias="fc.bias" in weights)
+    head = EagleHead(arch, fc_bias="fc.bias" in weights, draft_vocab_size=draft_vocab)
     params = dict(head.named_parameters())
     missing = sorted(set(params) - set(weights))
     unknown = sorted(set(weights) - set(params) - set(UNUSED))

@@ -80,6 +80,9 @@ class ModelRunner:
         # here, at start-up, instead of inside the first long prompt.
         self.amx = self.device.type == "cpu" and _amx_enabled()
         self.spec = speculative
+        self.draft_vocab_size: int | None = None
+        """The first ids an EAGLE head or draft model drafts among (the config's
+        ``draft_vocab_size``, else an EAGLE head's own), None: the whole vocabulary."""
         self.proposer = (self._make_proposer(speculative, draft, plan, dtype)
                          if speculative is not None else None)
         self.draft_lengths = (self._draft_lengths(speculative, max_num_seqs)
@@ -107,13 +110,16 @@ class ModelRunner:
                 from memwall.worker.cpu_decode import FusedCpuDecode
                 head.quantize_for_cpu("int4" if four_bit else "int8")
                 fast = FusedCpuDecode.build(head.native_view(), caches)
+            self.draft_vocab_size = (spec.draft_vocab_size if spec.draft_vocab_size is not None
+                                     else head.draft_vocab_size)
             return EagleProposer(head, self.model, caches, plan.block_size, self.attn_backend,
-                                 draft_head(self.model, spec.draft_vocab_size, four_bit), fast)
+                                 draft_head(self.model, self.draft_vocab_size, four_bit), fast)
         if spec.method != "draft_model":
             return make_proposer(spec)
         if draft is None:
             raise ValueError("the draft_model method needs its model loaded (Worker.load_model)")
         from memwall.spec_decode.draft_model import DraftModelProposer
+        self.draft_vocab_size = spec.draft_vocab_size
         # as many tokens of draft KV as the target's pool holds: every sequence can draft
         caches = allocate_kv_cache(draft.arch, plan, dtype, self.device)
         fast = None
@@ -156,6 +162,8 @@ class ModelRunner:
         if self.spec is None:
             return ""
         text = f"; speculative decoding: {self.spec.method}, up to {self.spec.num_speculative_tokens} drafts"
+        if self.draft_vocab_size is not None:
+            text += f" among the first {self.draft_vocab_size} token ids"
         if self.spec.uses_lookup_first:
             text += ", prompt lookup where it pays more"
         cost = self.draft_lengths.cost

@@ -95,6 +95,10 @@ def test_wrong_directories_are_refused(tmp_path, reference):
     (two / "config.json").write_text(json.dumps({**CONFIG, "num_hidden_layers": 2}))
     with pytest.raises(EagleHeadError, match="one decoder layer"):
         load_eagle_head(two, target_arch())
+    for wrong in (0, 301, 12.5, True):
+        (two / "config.json").write_text(json.dumps({**CONFIG, "draft_vocab_size": wrong}))
+        with pytest.raises(EagleHeadError, match="draft_vocab_size must be an integer in 1..300"):
+            load_eagle_head(two, target_arch())
 
 
 # --------------------------------------------------------------------------- the proposer
@@ -294,6 +298,35 @@ def test_a_requantized_head_drafts_from_4_bit_weights_with_greedy_output_unchang
     if vocab is None:  # the random head's drafts of the whole vocabulary: some hit
         assert stats.spec_num_accepted_tokens > 0
     assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+
+
+def test_a_head_trained_on_the_first_ids_drafts_among_them_by_default(tiny_target, tiny_head,
+                                                                      tmp_path):
+    """A head whose config.json says ``"draft_vocab_size": N`` (train_eagle.py writes it)
+    drafts from the LM head's first N rows without the speculative config naming them (the
+    start-up line says so); the config's own size wins; output stays the plain output."""
+    import shutil
+
+    from memwall import LLM, SamplingParams
+    from memwall.spec_decode.draft_vocab import DraftVocabHead
+
+    head = tmp_path / "head"
+    shutil.copytree(tiny_head, head)
+    config = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps({**config, "draft_vocab_size": 150}))
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [[5 + i, 17, 33, 2 * i + 40] * 5 for i in range(3)]
+    plain = LLM(str(tiny_target), num_kv_blocks=128, block_size=4).generate(prompts, params)
+    for named, rows in ((None, 150), (100, 100)):
+        spec = {**eagle(head, k=3), "lookup_first": False, "draft_vocab_size": named}
+        llm = LLM(str(tiny_target), speculative_config=spec, num_kv_blocks=128, block_size=4)
+        runner = llm.engine.core.executor.worker.runner
+        assert isinstance(runner.proposer.logits, DraftVocabHead)
+        assert runner.proposer.logits.out_features == rows == runner.draft_vocab_size
+        assert f"among the first {rows} token ids" in llm.engine.core.info.description
+        out = llm.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+        assert llm.engine.core.scheduler.stats.spec_num_draft_tokens > 0
 
 
 def test_with_lookup_first_the_head_catches_up_over_the_steps_it_skipped(
