@@ -194,7 +194,8 @@ def _c_codes(name: str, b: torch.Tensor, per_block: int, dtype: torch.dtype,
              *args: int) -> torch.Tensor | None:
     """A block type's codes from gguf_codes.c (the same bytes as the torch operations beside
     each caller, at the speed of reading the file: those ran ~3 ns a byte), or None where the
-    native kernels are not built (MEMWALL_NATIVE=0, no compiler)."""
+    native kernels are not built (MEMWALL_NATIVE=0, no compiler). ``args`` go between the
+    blocks' shape and the output (mw_gguf_k_scales: the scales' address; the output the mins)."""
     from memwall.kernels.cpu import build
 
     lib = build.lib() if _C_CODES_ON else None
@@ -224,8 +225,11 @@ def _n_q5_1(b: torch.Tensor) -> Codes:
 def _n_k_scales(b: torch.Tensor) -> tuple[Factored, Factored]:
     """Q4_K / Q5_K: s = d * sc, c = -dmin * mn (= -(dmin * mn) bit for bit), 8 per block."""
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, mn = _k_scales_mins(b[:, 4:16])
-    return (d, sc.to(torch.int8)), (-dmin, mn.to(torch.int8))
+    sc = torch.empty(b.shape[0], 8, dtype=torch.int8)
+    mn = _c_codes("mw_gguf_k_scales", b, 8, torch.int8, sc.data_ptr())  # (scales, mins)
+    if mn is None:
+        sc, mn = (t.to(torch.int8) for t in _k_scales_mins(b[:, 4:16]))
+    return (d, sc), (-dmin, mn)
 
 
 def _n_q4_k(b: torch.Tensor) -> Codes:

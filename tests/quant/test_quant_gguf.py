@@ -122,20 +122,22 @@ def test_native_layouts_keep_the_reference_weights_in_few_bytes(qtype):
 
 
 @pytest.mark.skipif(not quant_ops.available(), reason="no C compiler for the native kernels")
-@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
 def test_codes_from_c_equal_the_torch_shuffles(qtype, monkeypatch):
-    """gguf_codes.c's codes (the native load path) are the torch byte operations' bytes, on
-    random blocks (every code value, both nibbles, every qh bit), in several threads' shares
+    """gguf_codes.c's codes and K-quant scales (the native load path) are the torch byte
+    operations' bytes, on random blocks (every code value, both nibbles, every qh bit, every
+    6-bit scale and min), in several threads' shares
     (10,000 blocks pass every parallel threshold), scales and offsets untouched."""
     from memwall.quant import gguf_repack
 
-    raw = random_blocks(qtype, 40, 64000 if qtype in (Q.Q4_K, Q.Q6_K) else 8000, seed=11)
+    raw = random_blocks(qtype, 40, 64000 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 8000, seed=11)
     shape = (40, raw.size // 40 * GGML_QUANT_SIZES[qtype][0] // GGML_QUANT_SIZES[qtype][1])
     from_c = []
     real = gguf_repack._c_codes
     monkeypatch.setattr(gguf_repack, "_c_codes", lambda *a: from_c.append(real(*a)) or from_c[-1])
     fast = repack(raw, qtype, shape, backend="native")
-    assert len(from_c) == 1 and from_c[0] is not None  # the codes came from C
+    # the codes came from C (and the K-quants' 6-bit scales: Q4_K calls twice, Q5_K once)
+    assert len(from_c) == {Q.Q4_K: 2, Q.Q5_K: 1}.get(qtype, 1) and None not in from_c
     monkeypatch.setattr(gguf_repack, "_C_CODES_ON", False)
     slow = repack(raw, qtype, shape, backend="native")
     assert set(fast.tensors) == set(slow.tensors)

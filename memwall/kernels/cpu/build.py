@@ -231,6 +231,7 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "mw_gguf_q4_k_codes": (None, [p, i64, i64, p]),
         "mw_gguf_q6_k_codes": (None, [p, i64, i64, p]),
         "mw_gguf_q5_codes": (None, [p, i64, i64, i64, i64, i32, p]),
+        "mw_gguf_k_scales": (None, [p, i64, i64, p, p]),
         "mw_shm_bytes": (i64, [i64, i64]),
         "mw_shm_init": (None, [p, i64, i64]),
         "mw_shm_attach": (i32, [p, p, i64, i64, f64]),

@@ -66,3 +66,23 @@ void mw_gguf_q5_codes(const uint8_t* blocks, int64_t n, int64_t stride, int64_t 
         }
     }
 }
+
+/* Q4_K / Q5_K's 12-byte scale field (at byte 4 of a block) -> 8 six-bit scales and 8 mins a
+ * block (ggml's get_scale_min_k4): sub-blocks 0..3 take the low 6 bits of bytes 0..3 (scales)
+ * and 4..7 (mins); sub-blocks 4..7 the nibbles of bytes 8..11 and the spare top 2 bits of
+ * bytes 0..7. */
+void mw_gguf_k_scales(const uint8_t* blocks, int64_t n, int64_t stride, int8_t* scales,
+                      int8_t* mins) {
+    #pragma omp parallel for schedule(static) if (n >= 8192)
+    for (int64_t b = 0; b < n; b++) {
+        const uint8_t* s = blocks + b * stride + 4;
+        int8_t* sc = scales + b * 8;
+        int8_t* mn = mins + b * 8;
+        for (int j = 0; j < 4; j++) {
+            sc[j] = (int8_t)(s[j] & 0x3F);
+            mn[j] = (int8_t)(s[4 + j] & 0x3F);
+            sc[4 + j] = (int8_t)((s[8 + j] & 0x0F) | ((s[j] >> 2) & 0x30));
+            mn[4 + j] = (int8_t)((s[8 + j] >> 4) | ((s[4 + j] >> 2) & 0x30));
+        }
+    }
+}

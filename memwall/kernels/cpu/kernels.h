@@ -19,7 +19,8 @@
  *     split_bf16.c       hi + lo bf16 operands for split-bf16 (AMX) prefill matmuls (amx.py)
  *     shm_comm.c         all-reduce, all-gather and barrier of tensor-parallel ranks on one
  *                        host, through shared memory (memwall/distributed/shm_comm.py)
- *     gguf_codes.c       GGUF blocks (Q4_K, Q6_K, Q5_0/Q5_1) -> the layouts' codes, at load
+ *     gguf_codes.c       GGUF blocks (Q4_K, Q6_K, Q5_0/Q5_1) -> the layouts' codes (and the
+ *                        K-quants' 6-bit scales), at load
  *
  * Each file picks its code path from the compiler's target macros (__AVX512F__, __AVX2__ with
  * __FMA__, or plain C), so one source builds for every CPU. Sizes: every function takes zero
@@ -182,6 +183,8 @@ void mw_gguf_q4_k_codes(const uint8_t* blocks, int64_t n, int64_t stride, uint8_
 void mw_gguf_q6_k_codes(const uint8_t* blocks, int64_t n, int64_t stride, int8_t* out);
 void mw_gguf_q5_codes(const uint8_t* blocks, int64_t n, int64_t stride, int64_t qh_at,
                       int64_t qs_at, int bias, int8_t* out);
+void mw_gguf_k_scales(const uint8_t* blocks, int64_t n, int64_t stride, int8_t* scales,
+                      int8_t* mins);
 
 /* split_bf16.c: a = hi + lo, hi = bf16(a) (nearest even), lo = a - hi, both as float32 */
 void mw_split_bf16(const float* x, int64_t n, float* hi, float* lo);
