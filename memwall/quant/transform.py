@@ -51,22 +51,24 @@ class QuantizeReport:
 
 
 def get_quant_method(name: str, group_size: int = 32, backend: str = "auto") -> QuantMethod:
-    """``"int8"`` or ``"int4"`` (group-wise). backend "native" (our kernels; int4 then needs
-    group_size 32; int8 takes a scale every 32 values, as GGUF's Q8_0, per-channel where a
-    row does not split into 32s), "torch" (torch's bf16 ops: int8 per-channel, int4
-    group_size 32..256) or "auto" (native when it could be built and fits).
+    """``"int8"`` or ``"int4"``, a scale every ``group_size`` inputs. backend "native" (our
+    kernels; int4 then needs group_size 32; int8 takes any multiple of 16, per-channel where a
+    row does not split into groups; 32, the default, is GGUF Q8_0's block), "torch" (torch's
+    bf16 ops: int8 per-channel, int4 group_size 32..256) or "auto" (native when it could be
+    built and fits).
 
     Why native int8 in 32s: the 16-row panels (the AVX-512 VNNI kernels) take blocks of 32,
     not one scale a row; a row-scaled 4096 x 2048 int8 weight took 0.91 ms a decode token
-    in the row layout against 0.48 ms in panels (Cascade Lake Xeon, 2 threads), for 1/16 bit
-    more a weight (an fp16 scale a block) and a closer fit."""
+    in the row layout against 0.48 ms in panels (Cascade Lake Xeon, 2 threads), for one bit
+    more a weight (an fp16 scale and an all-zero fp16 offset a block, as GGUF's Q8_0) and a
+    closer fit."""
     if name == "fp8":  # the GPU format (memwall/quant/fp8.py); no CPU kernel choice to make
         from memwall.quant.fp8 import Fp8Linear
         return Fp8Linear()
     from memwall.quant.gguf_repack import use_native
     if name == "int8":
         from memwall.quant.int8_cpu import Int8WeightOnly, NativeQ8
-        return NativeQ8(group_size=32) if use_native(backend) else Int8WeightOnly()
+        return NativeQ8(group_size=group_size) if use_native(backend) else Int8WeightOnly()
     if name == "int4":
         from memwall.quant.int4_cpu import Int4WeightOnly, NativeQ4
         if group_size == 32 and use_native(backend):
