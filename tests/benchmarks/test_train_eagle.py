@@ -182,3 +182,51 @@ def test_bf16_is_the_default_only_where_the_cpu_multiplies_it(monkeypatch):
                             (["avx2", "avx512f", "avx512_vnni"], False), ([], False)):
         monkeypatch.setattr(hardware, "cpu_features", lambda flags=flags: flags)
         assert native_bf16() is expected, flags
+
+
+def test_the_tap_keeps_the_features_the_engine_computed_while_generating(tiny):
+    """FeatureTap's features of a generated request equal the target's reference forward over
+    the same tokens, every position from the prompt's first to the reply's second to last,
+    across chunked prefill (a 6-token budget) and a batch of 3; the greedy labels are the
+    reply's own next tokens and the LM head's argmax over the prompt."""
+    from memwall import LLM, SamplingParams
+    from benchmarks.train_eagle import FeatureTap, greedy_tokens, tapped_sequence
+
+    path, loaded = tiny
+    llm = LLM(str(path), num_kv_blocks=128, block_size=4, prefix_caching=False,
+              max_num_batched_tokens=6, max_num_seqs=3)
+    runner = llm.engine.core.executor.worker.runner
+    tap = FeatureTap(runner)
+    prompts = [[int(t) for t in torch.randint(4, 380, (n,), generator=torch.Generator().manual_seed(n))]
+               for n in (5, 11, 17)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
+    for prompt, output in zip(prompts, outs):
+        ids, feats, greedy, reply_from = tapped_sequence(runner.model, tap, output)
+        assert reply_from == len(prompt)
+        assert ids == prompt + list(output.outputs[0].token_ids)[:-1]
+        reference = target_features(loaded.model, 4, ids)
+        # the engine's fp16 KV cache against the reference's float32 one: ~4e-3 apart at most
+        torch.testing.assert_close(feats, reference, atol=1e-2, rtol=1e-2)
+        assert greedy[reply_from - 1:].tolist() == list(output.outputs[0].token_ids)
+        assert greedy.tolist() == greedy_tokens(loaded.model, reference).tolist()
+    assert tap.pieces == {}  # each request's pieces handed over once
+
+
+def test_the_tap_leaves_out_a_sequence_with_a_position_never_computed(tiny):
+    from benchmarks.train_eagle import FeatureTap
+
+    _, loaded = tiny
+
+    class Runner:
+        model, fast_path = torch.nn.Identity(), None
+
+        def execute(self, sched):
+            return None
+
+    tap = FeatureTap(Runner())
+    H = loaded.arch.hidden_size
+    tap.pieces["a"] = [(0, torch.ones(3, H)), (4, torch.ones(2, H))]  # position 3 missing
+    tap.pieces["b"] = [(0, torch.ones(3, H)), (3, 2 * torch.ones(3, H)), (2, 3 * torch.ones(1, H))]
+    assert tap.features("a", 6) is None
+    b = tap.features("b", 5)  # the rows past 5 dropped, position 2 computed again
+    assert b[:, 0].tolist() == [1, 1, 3, 2, 2]
