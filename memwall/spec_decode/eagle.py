@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from memwall.attention.metadata import AttentionMetadata
-from memwall.config import ModelArchConfig
+from memwall.config import ModelArchConfig, is_whole_number
 from memwall.layers.rotary import RotaryEmbedding
 from memwall.models.llama import DecoderLayer, KVCache
 from memwall.sample.sampler import argmax_rows
@@ -120,7 +120,7 @@ def load_eagle_head(directory: str | Path, target: ModelArchConfig,
         raise EagleHeadError(f"{path}: hidden size {arch.hidden_size}, the target's is "
                              f"{target.hidden_size}: a head drafts for the model it was trained on")
     draft_vocab = config.get("draft_vocab_size")
-    if draft_vocab is not None and (isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int)
+    if draft_vocab is not None and (not is_whole_number(draft_vocab)
                                     or not 1 <= draft_vocab <= target.vocab_size):
         raise EagleHeadError(f"{path}: draft_vocab_size must be an integer in 1.."
                              f"{target.vocab_size} (the target's vocabulary), got {draft_vocab!r}")

@@ -64,3 +64,11 @@ def test_config_errors_are_clear():
         SpeculativeConfig.parse('{"num_speculative_tokens": 0}')
     assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}') == \
         SpeculativeConfig(num_speculative_tokens=3)
+    for key, value in (("num_speculative_tokens", 2.5), ("num_speculative_tokens", "3"),
+                       ("num_speculative_tokens", True), ("prompt_lookup_min", 1.5),
+                       ("prompt_lookup_max", None), ("disable_by_batch_size", 2.5),
+                       ("adaptive", "no"), ("model", 7)):
+        with pytest.raises(ValueError, match=key):  # one line naming the key, not a TypeError
+            SpeculativeConfig.parse({"method": "ngram", key: value})
+    assert SpeculativeConfig.parse({"disable_by_batch_size": 4, "adaptive": False}) == \
+        SpeculativeConfig(disable_by_batch_size=4, adaptive=False)
