@@ -266,10 +266,9 @@ class SpeculativeConfig:
                              f"{self.method!r}")
         # JSON's 2.5, "3" and true reach here as they are: name them rather than draft 2.5
         # tokens or fail in a comparison far from the key
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                     "disable_by_batch_size"):
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
-            if not (is_whole_number(value) or (value is None and name == "disable_by_batch_size")):
+            if not is_whole_number(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"adaptive is true or false, got {self.adaptive!r}")
@@ -281,8 +280,12 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
-        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
-            raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+        if self.disable_by_batch_size is not None:
+            if not is_whole_number(self.disable_by_batch_size):
+                raise ValueError("disable_by_batch_size must be an integer, got "
+                                 f"{self.disable_by_batch_size!r}")
+            if self.disable_by_batch_size < 1:
+                raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
         if self.method != "ngram" and not self.model:
             raise ValueError(f"speculative method {self.method!r} needs \"model\": the drafter's path")
         if self.draft_vocab_size is not None:
