@@ -113,10 +113,11 @@ class FeatureTap:
     chats took 20 of the hour on a Cascade Lake Xeon, as long as generating them).
 
     It wraps the runner's forward (the fused decode step and the model's own) to see each
-    step's hidden states and positions, and its ``execute`` to split them per sequence (a
-    step's sequences are consecutive rows in scheduling order, as the runner's
-    ``_record_features`` reads them). Prefix caching must be off: a cached prefix's positions
-    are never computed. A position computed again (a preempted sequence) takes the newer rows."""
+    step's hidden states and positions, and its ``execute`` to split them per sequence as the
+    runner does for its drafter (``memwall.worker.runner.final_rows``; the tap's generation
+    does not speculate, so every scheduled row is final). Prefix caching must be off: a cached
+    prefix's positions are never computed. A position computed again (a preempted sequence)
+    takes the newer rows."""
 
     CHUNK_ROWS = 1 << 15
     """Rows of the float32 blocks the features are kept in. A copy per sequence and step (2.3 KB
@@ -124,6 +125,8 @@ class FeatureTap:
     0.7 GB for 24 MB of features, and 4,800 ran a 24 GiB machine out of memory."""
 
     def __init__(self, runner) -> None:
+        from memwall.worker.runner import final_rows
+
         self.pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
         """Per request: (first position, its rows: a view into one of the blocks)."""
         self._block: torch.Tensor | None = None
@@ -139,11 +142,8 @@ class FeatureTap:
             out = execute(sched)
             if self._step is not None:
                 positions, hidden = self._step
-                offset = 0
-                for request_id, count in sched.num_scheduled_tokens.items():
-                    self.pieces.setdefault(request_id, []).append(
-                        (int(positions[offset]), self._keep(hidden[offset:offset + count])))
-                    offset += count
+                for request_id, first, rows in final_rows(sched, positions, hidden, out):
+                    self.pieces.setdefault(request_id, []).append((first, self._keep(rows)))
             return out
 
         runner.execute = tapped_execute

@@ -16,6 +16,7 @@ CUDA graphs on a GPU (memwall/worker/cuda_graphs.py) or the fused CPU decode ste
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -38,6 +39,23 @@ from memwall.spec_decode.adaptive import DraftLengths, StepCost
 from memwall.spec_decode.rejection import verify_greedy, verify_random
 from memwall.worker.input_batch import RequestRows, StepInputs, VerifyRows
 from memwall.worker.kv_cache import KVCachePlan, allocate_kv_cache
+
+
+def final_rows(sched: SchedulerOutput, positions: torch.Tensor, hidden: torch.Tensor,
+               out: RunnerOutput) -> Iterator[tuple[str, int, torch.Tensor]]:
+    """(request id, first position, rows of ``hidden``) for each sequence of a step: the rows
+    of the positions the step made final. A prompt chunk's tokens and a decoded token are all
+    final; a verified sequence's are its sampled token and the drafts it accepted (the rejected
+    drafts' rows are cut off). A step's sequences are consecutive rows of the flat token axis,
+    in scheduling order. The EAGLE drafter records these (``_record_features``), and so does
+    benchmarks/train_eagle.py's ``FeatureTap`` while it generates the head's training data."""
+    offset = 0
+    for request_id, count in sched.num_scheduled_tokens.items():
+        final = count
+        if sched.spec_token_ids.get(request_id):
+            final = 1 + len(out.accepted_drafts.get(request_id, ()))
+        yield request_id, int(positions[offset]), hidden[offset:offset + final]
+        offset += count
 
 
 class ModelRunner:
@@ -258,17 +276,9 @@ class ModelRunner:
 
     def _record_features(self, sched: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor,
                          out: RunnerOutput) -> None:
-        """The target's hidden states of the positions this step made final, per sequence: a
-        prompt chunk's tokens, a decoded token, a verified token and its accepted drafts (each
-        sequence's tokens are consecutive rows of the flat axis, in scheduling order)."""
-        offset = 0
-        for request_id, count in sched.num_scheduled_tokens.items():
-            final = count
-            if sched.spec_token_ids.get(request_id):
-                final = 1 + len(out.accepted_drafts.get(request_id, ()))
-            self.proposer.record(request_id, int(inputs.positions[offset]),
-                                 hidden[offset:offset + final])
-            offset += count
+        """The target's hidden states of the positions this step made final, per sequence."""
+        for request_id, first, rows in final_rows(sched, inputs.positions, hidden, out):
+            self.proposer.record(request_id, first, rows)
 
     def _apply_transfers(self, transfers: BlockTransfers) -> None:
         """Swap-outs read blocks before swap-ins and copies may overwrite them: order matters."""
