@@ -218,7 +218,18 @@ class DraftRowPrice:
     not refreshed for ``STALE_STEPS`` steps (``stale``) DraftLengths tries one draft now and
     then (batch-1 grounded prompts once stopped drafting for a whole run after one slow verify
     step had priced every draft count at 3 plain steps). Forgetting them instead handed c=16
-    back to the row-count prices every 512 steps, which drafted again (0.95x)."""
+    back to the row-count prices every 512 steps, which drafted again (0.95x).
+
+    A price too high is refreshed only by the steps it prevents, so three more guards: a step
+    replaces a (B, d) fraction older than ``STALE_STEPS`` steps instead of moving it by
+    ``ALPHA`` (a quarter of the way a probe, one probe each STALE_STEPS steps, took ~6 probes,
+    ~3,000 steps, to bring a doubled price back); the first step of a draft count is taken at
+    most ``CLAMP`` times what the counts seen price it at (a busy core timed one 2-draft step of
+    an EAGLE run at 13 plain steps, and 2 drafts were never tried again that run); and
+    DraftLengths drafts one more than pays, once, where that count's price is stale
+    (``count_stale``: the re-probe above only ever tries one draft). Seen on a Cascade Lake Xeon
+    whose VM ran at half speed in the first of three EAGLE runs: the third verified 117 times in
+    ~2,300 steps (0.99x of plain)."""
 
     REF_ALPHA = 0.3  # weight of each plain step in its batch's running figure
     REF_MAX_AGE = 16  # steps after which a batch's plain figure is too old to compare with
@@ -231,6 +242,7 @@ class DraftRowPrice:
         self._plain: dict[int, tuple[float, int]] = {}  # B -> (running seconds, step seen at)
         self._fractions: dict[int, dict[int, float]] = {}  # B -> d -> running fraction
         self._seen_at: dict[int, int] = {}  # B -> the step its fractions last moved
+        self._count_seen_at: dict[tuple[int, int], int] = {}  # (B, d) -> the step d last moved
         self._priced: dict[tuple[int, int], float] = {}  # (B, rows) -> fraction, until one moves
         self._step = 0
 
@@ -249,14 +261,30 @@ class DraftRowPrice:
         sample = min(max(seconds / ref[0], 1.0), self.MAX_FRACTION)
         seen = self._fractions.setdefault(batch, {})
         d = rows - batch
-        if d in seen:  # one step counts as at most CLAMP times the running fraction
+        fresh = self._step - self._count_seen_at.get((batch, d), self._step) <= self.STALE_STEPS
+        if d in seen and fresh:  # one step counts as at most CLAMP times the running fraction
             sample = seen[d] + self.ALPHA * (min(sample, seen[d] * self.CLAMP) - seen[d])
-        seen[d] = sample
-        self._seen_at[batch] = self._step
+        elif d not in seen and seen:  # a first step of d: at most CLAMP times the price the
+            # counts seen gave it (one 2-draft step timed at 13 plain steps by a busy core priced
+            # 2 drafts out for the rest of the run)
+            sample = min(sample, self._fraction(batch, rows) * self.CLAMP)
+        seen[d] = sample  # new, or older than STALE_STEPS: this step's figure replaces it
+        self._seen_at[batch] = self._count_seen_at[(batch, d)] = self._step
         self._priced.clear()
 
     def knows(self, batch: int) -> bool:
         return batch in self._fractions and batch in self._plain
+
+    @property
+    def steps(self) -> int:
+        """Decode/verify steps observed so far (the clock of STALE_STEPS)."""
+        return self._step
+
+    def count_stale(self, batch: int, drafts: int) -> bool:
+        """True where the batch's fraction for ``drafts`` draft rows was seen, but not for
+        STALE_STEPS steps (DraftLengths then drafts that many once, to time it anew)."""
+        seen_at = self._count_seen_at.get((batch, drafts))
+        return seen_at is not None and self._step - seen_at > self.STALE_STEPS
 
     def stale(self, batch: int) -> bool:
         """True where ``batch``'s fractions are known but none was seen for STALE_STEPS steps."""
@@ -323,6 +351,7 @@ class DraftLengths:
         self._quiet_steps = 0  # steps in a row in which no sequence drafted (end_step)
         self._probing = False  # a sequence of this step took a probe: the others draft nothing
         self._busy_steps = 0  # steps in a row in which some sequence drafted (end_step)
+        self._explored: dict[tuple[int, int], int] = {}  # (B, d) -> step of its last extra draft
 
     def rate(self, request_id: str, free: bool = False) -> float:
         """The sequence's acceptance estimate for drafts of that kind (``free``: prompt lookup's,
@@ -359,6 +388,16 @@ class DraftLengths:
                 best_k, best_gain, best_free = k, gain, free
         self._priced_free[request_id] = best_free
         rows = max(1, batch) + max(0, drafted)
+        more = (max(1, batch), max(0, drafted) + best_k + 1)
+        if (0 < best_k < self.max_k and self.row_price.count_stale(*more)
+                and self.row_price.steps - self._explored.get(more, -DraftRowPrice.STALE_STEPS)
+                > DraftRowPrice.STALE_STEPS):
+            # one draft more than pays, where that count's price is old: it is timed only by
+            # the steps it prevents (the probe below tries one draft), so a price raised in a
+            # slow moment would stand for good. Once per STALE_STEPS steps a count (its step
+            # may not be timed: with no plain step of late to compare it with)
+            self._explored[more] = self.row_price.steps
+            return best_k + 1, best_free
         if best_k == 0 and drafted <= 0 and (self._probe_due(rows + 1) or self._reprobe_due(batch)):
             self._quiet_steps, self._probing = 0, True
             return 1, best_free

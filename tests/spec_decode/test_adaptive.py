@@ -487,3 +487,65 @@ def test_one_slow_verify_step_cannot_price_drafting_out_for_good():
     first = chosen.index(1)
     assert first > DraftRowPrice.STALE_STEPS and sum(chosen) == 1  # one probe, then fresh
     assert not price.stale(1)
+
+
+def test_a_probe_replaces_a_stale_price_instead_of_nudging_it():
+    """A fraction raised in a slow phase is refreshed only by the verify steps it prevents: the
+    probe that comes once it is STALE_STEPS steps old sets it anew (nudged by ALPHA a probe, a
+    doubled price took ~6 probes to come back). A fresh fraction still moves by ALPHA."""
+    price = DraftRowPrice()
+    for _ in range(4):  # a slow phase: one draft priced at 2.2 plain steps
+        price.observe(1, 1, 0.010)
+        price.observe(1, 2, 0.022)
+    assert price.fraction(1, 2) == pytest.approx(2.2)
+    price.observe(1, 1, 0.010)
+    price.observe(1, 2, 0.011)  # fresh: moved a quarter of the way
+    assert price.fraction(1, 2) == pytest.approx(2.2 + DraftRowPrice.ALPHA * (1.1 - 2.2))
+    for _ in range(DraftRowPrice.STALE_STEPS):
+        price.observe(1, 1, 0.010)  # no drafts for STALE_STEPS steps
+    price.observe(1, 2, 0.011)  # the probe
+    assert price.fraction(1, 2) == pytest.approx(1.1)
+    price.observe(1, 1, 0.010)
+    price.observe(1, 2, 0.015)  # fresh again: nudged
+    assert price.fraction(1, 2) == pytest.approx(1.1 + DraftRowPrice.ALPHA * (1.5 - 1.1))
+
+
+def test_a_first_step_of_a_draft_count_is_clamped_by_the_price_the_others_give_it():
+    """One 2-draft step timed at 13 plain steps (a busy core) priced 2 drafts out for a run."""
+    price = DraftRowPrice()
+    price.observe(1, 1, 0.010)
+    price.observe(1, 2, 0.011)  # one draft: 1.1
+    predicted = price.fraction(1, 3)  # 2 drafts, from the slope of 1
+    price.observe(1, 1, 0.010)
+    price.observe(1, 3, 0.130)
+    assert price.fraction(1, 3) == pytest.approx(predicted * DraftRowPrice.CLAMP)
+    fresh = DraftRowPrice()
+    fresh.observe(1, 1, 0.010)
+    fresh.observe(1, 3, 0.130)  # nothing to compare with yet: taken as timed
+    assert fresh.fraction(1, 3) == pytest.approx(13.0)
+
+
+def test_an_old_price_of_one_draft_more_is_timed_again_once():
+    """A sequence that drafts k drafts one more, once, where the price of k + 1 is older than
+    STALE_STEPS steps: steps of k + 1 drafts are what would correct it, and the price keeps them
+    from running."""
+    lengths = DraftLengths(4, StepCost({1: 1.0, 2: 1.1, 3: 1.2, 5: 1.4}))
+    price = lengths.row_price
+    for _ in range(4):
+        price.observe(1, 1, 0.010)
+        price.observe(1, 2, 0.011)  # one draft: 1.1
+    price.observe(1, 1, 0.010)
+    price.observe(1, 3, 0.060)  # two drafts timed in a slow moment: 6 plain steps
+    for _ in range(5):
+        lengths.observe("a", 2, 1)  # about half accepted: one draft pays, two at 6x do not
+    chosen = []
+    for _ in range(DraftRowPrice.STALE_STEPS // 2 + 40):  # two steps each: STALE_STEPS + 80
+        lengths.observe_step(1, 0.010, 1)  # another sequence's plain step: a fresh reference
+        k = lengths.choose("a", batch=1)
+        chosen.append(k)
+        lengths.end_step(k > 0)
+        lengths.observe_step(1 + k, 0.010 + 0.001 * k, 1)  # what they cost at full speed
+    first = chosen.index(2)
+    assert set(chosen[:first]) == {1}  # one draft pays; two, at their old price, do not
+    assert 2 * first >= DraftRowPrice.STALE_STEPS  # tried once their price was old
+    assert price.fraction(1, 3) == pytest.approx(1.2)  # timed anew: replaced, not nudged
