@@ -227,7 +227,7 @@ class DraftRowPrice:
     most ``CLAMP`` times what the counts seen price it at (a busy core timed one 2-draft step of
     an EAGLE run at 13 plain steps, and 2 drafts were never tried again that run); and
     DraftLengths drafts one more than pays, once, where that count's price is stale
-    (``count_stale``: the re-probe above only ever tries one draft). Seen on a Cascade Lake Xeon
+    (``retime_due``: the re-probe above only ever tries one draft). Seen on a Cascade Lake Xeon
     whose VM ran at half speed in the first of three EAGLE runs: the third verified 117 times in
     ~2,300 steps (0.99x of plain)."""
 
@@ -243,6 +243,7 @@ class DraftRowPrice:
         self._fractions: dict[int, dict[int, float]] = {}  # B -> d -> running fraction
         self._seen_at: dict[int, int] = {}  # B -> the step its fractions last moved
         self._count_seen_at: dict[tuple[int, int], int] = {}  # (B, d) -> the step d last moved
+        self._retimed_at: dict[tuple[int, int], int] = {}  # (B, d) -> step retime_due said so
         self._priced: dict[tuple[int, int], float] = {}  # (B, rows) -> fraction, until one moves
         self._step = 0
 
@@ -275,16 +276,18 @@ class DraftRowPrice:
     def knows(self, batch: int) -> bool:
         return batch in self._fractions and batch in self._plain
 
-    @property
-    def steps(self) -> int:
-        """Decode/verify steps observed so far (the clock of STALE_STEPS)."""
-        return self._step
-
-    def count_stale(self, batch: int, drafts: int) -> bool:
-        """True where the batch's fraction for ``drafts`` draft rows was seen, but not for
-        STALE_STEPS steps (DraftLengths then drafts that many once, to time it anew)."""
-        seen_at = self._count_seen_at.get((batch, drafts))
-        return seen_at is not None and self._step - seen_at > self.STALE_STEPS
+    def retime_due(self, batch: int, drafts: int) -> bool:
+        """True, once per STALE_STEPS steps and count, where the batch's fraction for ``drafts``
+        draft rows was seen but not for STALE_STEPS steps: DraftLengths then drafts that many,
+        to time it anew. Once, because that step may not be timed (no plain step of late to
+        compare it with), and asking again each step would draft one more every step."""
+        key = (batch, drafts)
+        seen_at = self._count_seen_at.get(key)
+        if (seen_at is None or self._step - seen_at <= self.STALE_STEPS
+                or self._step - self._retimed_at.get(key, -self.STALE_STEPS) <= self.STALE_STEPS):
+            return False
+        self._retimed_at[key] = self._step
+        return True
 
     def stale(self, batch: int) -> bool:
         """True where ``batch``'s fractions are known but none was seen for STALE_STEPS steps."""
@@ -351,7 +354,6 @@ class DraftLengths:
         self._quiet_steps = 0  # steps in a row in which no sequence drafted (end_step)
         self._probing = False  # a sequence of this step took a probe: the others draft nothing
         self._busy_steps = 0  # steps in a row in which some sequence drafted (end_step)
-        self._explored: dict[tuple[int, int], int] = {}  # (B, d) -> step of its last extra draft
 
     def rate(self, request_id: str, free: bool = False) -> float:
         """The sequence's acceptance estimate for drafts of that kind (``free``: prompt lookup's,
@@ -388,15 +390,11 @@ class DraftLengths:
                 best_k, best_gain, best_free = k, gain, free
         self._priced_free[request_id] = best_free
         rows = max(1, batch) + max(0, drafted)
-        more = (max(1, batch), max(0, drafted) + best_k + 1)
-        if (0 < best_k < self.max_k and self.row_price.count_stale(*more)
-                and self.row_price.steps - self._explored.get(more, -DraftRowPrice.STALE_STEPS)
-                > DraftRowPrice.STALE_STEPS):
+        if 0 < best_k < self.max_k and self.row_price.retime_due(max(1, batch),
+                                                                max(0, drafted) + best_k + 1):
             # one draft more than pays, where that count's price is old: it is timed only by
             # the steps it prevents (the probe below tries one draft), so a price raised in a
-            # slow moment would stand for good. Once per STALE_STEPS steps a count (its step
-            # may not be timed: with no plain step of late to compare it with)
-            self._explored[more] = self.row_price.steps
+            # slow moment would stand for good
             return best_k + 1, best_free
         if best_k == 0 and drafted <= 0 and (self._probe_due(rows + 1) or self._reprobe_due(batch)):
             self._quiet_steps, self._probing = 0, True

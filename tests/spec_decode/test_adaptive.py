@@ -549,3 +549,19 @@ def test_an_old_price_of_one_draft_more_is_timed_again_once():
     assert set(chosen[:first]) == {1}  # one draft pays; two, at their old price, do not
     assert 2 * first >= DraftRowPrice.STALE_STEPS  # tried once their price was old
     assert price.fraction(1, 3) == pytest.approx(1.2)  # timed anew: replaced, not nudged
+
+
+def test_a_stale_count_is_retimed_once_even_where_its_step_goes_untimed():
+    """Its step may not be timed (no plain step of late to compare it with): asking again at
+    every step would draft one more at every step."""
+    price = DraftRowPrice()
+    price.observe(1, 1, 0.010)
+    price.observe(1, 3, 0.020)  # two drafts timed once
+    for _ in range(DraftRowPrice.STALE_STEPS + 1):
+        price.observe(1, 1, 0.010)
+    assert price.retime_due(1, 2)
+    assert not price.retime_due(1, 2)  # the step it asked for was not timed: not again yet
+    assert not price.retime_due(1, 1)  # never timed: nothing to retime
+    for _ in range(DraftRowPrice.STALE_STEPS + 1):
+        price.observe(1, 1, 0.010)
+    assert price.retime_due(1, 2)  # STALE_STEPS later, once more
