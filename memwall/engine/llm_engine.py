@@ -144,6 +144,8 @@ class LLMEngine:
         outputs, stopped = self.outputs.process(core_outputs.outputs if core_outputs else [])
         if stopped:  # a stop string, found here in the text: the core must stop them too
             self.core.abort_requests(stopped)
+            if hasattr(self.core, "stats"):  # its blocks are free now, not after the next step
+                self.stats = self.core.stats()
         return outputs
 
     def shutdown(self) -> None:

@@ -13,6 +13,13 @@ Each emitted token is then distributed exactly as p (the proof: P(x) = min(p, q)
 distribution. A drafter that proposes tokens without probabilities (n-gram lookup) is a q_j
 that puts all its mass on d_j: accept with probability p_j(d_j), else sample p_j with d_j
 removed. Greedy rows need no randomness: accept while d_j is the argmax, then take the argmax.
+
+A seeded request's rows (``verify_seeded``) take the plain sampler's own draw at every
+position instead, from that position's generator (sample/seeds.py), and keep a draft while it
+is that draw: d_j is then accepted with probability p_j(d_j), as the rule above accepts a
+drafter's token that came without probabilities, and every emitted token is the one decoding
+without speculation draws at that position. So a seeded request gives the same tokens with
+speculation on or off, whatever the draft lengths the adaptive policy picks from its timings.
 """
 
 from __future__ import annotations
@@ -33,10 +40,9 @@ def verify_greedy(argmax: list[int], drafts: list[int]) -> tuple[int, int]:
 def verify_random(probs: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
                   generator: torch.Generator | None) -> tuple[int, int]:
     """probs [k + 1, V] target distributions, drafts [k], draft_probs [k, V] (None: each
-    draft had probability 1) -> (accepted drafts, the token after them).
-
-    A seeded request draws from its own generator only: one uniform per examined draft, then
-    one race of V exponentials (the plain sampler's draw), so its tokens are reproducible."""
+    draft had probability 1) -> (accepted drafts, the token after them). ``generator``: where
+    the uniforms and the final draw come from (None: the shared default generator); a seeded
+    request goes through ``verify_seeded``, whose draws do not depend on k."""
     k = len(drafts)
     uniforms = torch.rand(k, generator=generator, device=_device(generator, probs)).tolist() if k else []
     for j, token in enumerate(drafts):
@@ -53,6 +59,20 @@ def verify_random(probs: torch.Tensor, drafts: list[int], draft_probs: torch.Ten
             residual = probs[j]
         return j, _draw(residual / residual.sum(), generator)
     return k, _draw(probs[k], generator)
+
+
+def verify_seeded(probs: torch.Tensor, drafts: list[int],
+                  generators: list[torch.Generator]) -> tuple[int, int]:
+    """probs [k + 1, V] target distributions, drafts [k] (each had probability 1), generators
+    [k + 1]: position j's own (sample/seeds.py) -> (accepted drafts, the token after them).
+
+    Position j's token is the plain sampler's race with generator j; a draft is kept while it
+    equals that token. Positions after the first mismatch draw nothing."""
+    for j, token in enumerate(drafts):
+        drawn = _draw(probs[j], generators[j])
+        if drawn != token:
+            return j, drawn
+    return len(drafts), _draw(probs[len(drafts)], generators[len(drafts)])
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:

@@ -33,10 +33,11 @@ from memwall.sample.grammar_mask import stack_bitmask
 from memwall.sample.logprobs import LogprobsTensors, compute_logprobs
 from memwall.sample.metadata import SamplingMetadata
 from memwall.sample.sampler import Sampler, argmax_rows
+from memwall.sample.seeds import position_generator
 from memwall.sampling_params import SamplingParams
 from memwall.spec_decode import DraftRequest, Proposer, make_proposer
 from memwall.spec_decode.adaptive import DraftLengths, StepCost
-from memwall.spec_decode.rejection import verify_greedy, verify_random
+from memwall.spec_decode.rejection import verify_greedy, verify_random, verify_seeded
 from memwall.worker.input_batch import RequestRows, StepInputs, VerifyRows
 from memwall.worker.kv_cache import KVCachePlan, allocate_kv_cache
 
@@ -86,7 +87,6 @@ class ModelRunner:
         self.pipe = None
         """A pipeline stage's connections (memwall/distributed/pipeline.py PipeEnds); None:
         the whole model runs here."""
-        self._generators: dict[str, torch.Generator] = {}
         torch.manual_seed(seed)  # the shared generator used by unseeded requests (every device)
         self.fast_path = None  # a CudaGraphRunner or a FusedCpuDecode: decode-only steps
         if dev.is_cuda and not dev.enforce_eager and backend == "triton":
@@ -215,8 +215,6 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self.rows.update(sched)
-        for request_id in sched.finished_ids:
-            self._generators.pop(request_id, None)
         if self.proposer is not None:
             gone = sched.finished_ids + sched.preempted_ids
             self.proposer.forget(gone)
@@ -330,7 +328,7 @@ class ModelRunner:
         masks = sched.grammar_bitmask
         meta = SamplingMetadata.build(
             params,
-            [self._generator(rid, p) for rid, p in zip(request_ids, params)],
+            [position_generator(p.seed, r[4], self.device) for p, r in zip(params, rows)],
             [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows],
             stack_bitmask([masks[rid][0] if rid in masks else None for rid in request_ids])
             if masks else None,
@@ -372,7 +370,10 @@ class ModelRunner:
             else:
                 index = torch.arange(span.start, span.stop, device=work.device)
                 probs = self.sampler.probabilities(work, meta, index)  # [k + 1, V]
-                accepted, token = verify_random(probs, drafts, None, gens[offset])
+                if p.seed is None:
+                    accepted, token = verify_random(probs, drafts, None, None)
+                else:  # each position's own draw: the tokens decoding without drafts gives
+                    accepted, token = verify_seeded(probs, drafts, gens[span])
             tokens = drafts[:accepted] + [token]
             lps = [None] * len(tokens)
             if p.logprobs is not None:
@@ -387,7 +388,7 @@ class ModelRunner:
     def _verify_metadata(self, verify: list[VerifyRows], masks: dict
                          ) -> tuple[SamplingMetadata, list[torch.Generator | None]]:
         """The sampler's metadata of the verified rows (one per draft position and sequence, as
-        ``_verify`` says) and each row's generator."""
+        ``_verify`` says) and each row's generator (a seeded request's: its position's)."""
         params, gens, prompts, outputs, banned, mask_rows = [], [], [], [], [], []
         for v in verify:
             state = self.rows.states[v.request_id]
@@ -397,10 +398,9 @@ class ModelRunner:
             history = output_ids.tolist() if penalized else []
             prompt = self.rows.prompt_ids(v.request_id).tolist() if penalized else []
             num_out = len(output_ids)
-            gen = self._generator(v.request_id, p)
             for j in range(len(v.draft_token_ids) + 1):
                 params.append(p)
-                gens.append(gen)
+                gens.append(position_generator(p.seed, num_out + j, self.device))
                 prompts.append(prompt)
                 outputs.append(history + v.draft_token_ids[:j] if penalized else [])
                 banned.append(_banned_ids(p, state.eos_token_ids, num_out + j))
@@ -483,8 +483,9 @@ class ModelRunner:
         return all(_plain_greedy(states[request_id].sampling_params) for request_id in request_ids)
 
     def _sampling_row(self, request_id: str, forks: dict) -> tuple:
-        """(params, prompt ids, output ids, banned ids) of one sampling row. The token lists
-        are built only for requests with penalties: the sampler reads them for nothing else."""
+        """(params, prompt ids, output ids, banned ids, output tokens so far: the index of the
+        token it samples) of one sampling row. The token lists are built only for requests
+        with penalties: the sampler reads them for nothing else."""
         fork = forks.get(request_id)
         if fork is not None:  # a pending sample's first token: its parent's tokens, no outputs
             params, eos, outputs = fork.sampling_params, fork.eos_token_ids, 0
@@ -498,17 +499,7 @@ class ModelRunner:
         if _has_penalties(params):
             prompt_ids = self.rows.prompt_ids(source).tolist()
             output_ids = self.rows.output_ids(source).tolist() if fork is None else []
-        return params, prompt_ids, output_ids, _banned_ids(params, eos, outputs)
-
-    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
-        seed = params.seed
-        if seed is None:
-            return None
-        gen = self._generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(seed)  # draws where the logits are
-            self._generators[request_id] = gen
-        return gen
+        return params, prompt_ids, output_ids, _banned_ids(params, eos, outputs), outputs
 
 
 def _plain_greedy(params: SamplingParams) -> bool:

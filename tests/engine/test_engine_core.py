@@ -93,3 +93,4 @@ def test_stop_string_aborts_the_sample_in_the_core_and_frees_its_blocks(model_di
     assert len(sample.token_ids) < len(full.token_ids)
     assert not llm.engine.core.has_unfinished_requests()
     assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_total_blocks
+    assert llm.engine.num_free_blocks == llm.engine.num_total_blocks  # the stats say so too

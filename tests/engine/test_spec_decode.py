@@ -137,6 +137,31 @@ def test_seeded_requests_are_reproducible_with_speculation(tiny_llama):
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again[::-1]]
 
 
+def test_a_seeded_request_samples_the_same_tokens_with_speculation_on_or_off(tiny_llama):
+    """Each output position of a seeded request draws from a generator of its own
+    (sample/seeds.py) and verification keeps a draft only where it is that draw, so the tokens
+    do not depend on how many drafts a step verified (the adaptive lengths follow this
+    machine's step timings: one generator a request, drawn in turn, gave the embedded model
+    other tokens on every run), on preemption, or on speculation at all."""
+    prompts = repetitive_prompts(12, seed=5)
+    params = [SamplingParams(temperature=0.1, top_p=0.95, max_tokens=30, seed=100 + i,
+                             ignore_eos=True) for i in range(len(prompts))]
+    _, plain = run(tiny_llama, prompts, params)
+    expected = [o.outputs[0].token_ids for o in plain]
+    for spec, engine in (({**NGRAM, "num_speculative_tokens": 2}, {}),
+                         (NGRAM, {}),
+                         (NGRAM, {"num_kv_blocks": 48, "max_num_batched_tokens": 20,
+                                  "max_num_seqs": 8, "max_model_len": 160})):
+        llm, out = run(tiny_llama, prompts, params, spec, **engine)
+        assert [o.outputs[0].token_ids for o in out] == expected
+        stats = llm.engine.core.scheduler.stats
+        assert stats.spec_num_accepted_tokens >= 8  # drafts were kept, not only rejected
+        assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+        if "num_kv_blocks" in engine:
+            assert llm.engine.core.scheduler.num_preemptions > 0
+        assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+
+
 def test_aborts_mid_verification_leak_no_block(tiny_llama):
     llm = LLM(str(tiny_llama), speculative_config=NGRAM, num_kv_blocks=64, block_size=4,
               max_num_batched_tokens=16)

@@ -8,7 +8,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from memwall.spec_decode.rejection import verify_greedy, verify_random
+from memwall.sample.seeds import position_generator
+from memwall.spec_decode.rejection import verify_greedy, verify_random, verify_seeded
 
 V, K, TRIALS = 8, 3, 6000
 
@@ -107,3 +108,35 @@ def test_greedy_accepts_the_argmax_prefix():
     assert verify_greedy([4, 5, 6, 7], [4, 5, 6]) == (3, 7)
     assert verify_greedy([4, 5], [3]) == (0, 4)
     assert verify_greedy([4], []) == (0, 4)
+
+
+def test_a_seeded_verify_emits_the_plain_samplers_draws_and_keeps_a_draft_as_often_as_p():
+    """verify_seeded: the tokens are what sampling each position alone with its generator
+    gives, however many drafts there are, and a fixed draft is kept with probability p(d)."""
+    p, _ = distributions(4, far=False)
+    kept = 0
+    for seed in range(TRIALS):
+        plain = []
+        for j in range(K + 1):  # the plain sampler's token at each position
+            gen = position_generator(seed, 10 + j)
+            q = torch.empty(V).exponential_(generator=gen)
+            plain.append(int(torch.argmax(p[j] / q)))
+        for drafts in ([], plain[:1], plain[:K], [plain[0], (plain[1] + 1) % V, 0]):
+            gens = [position_generator(seed, 10 + j) for j in range(len(drafts) + 1)]
+            accepted, token = verify_seeded(p[:len(drafts) + 1], drafts, gens)
+            assert drafts[:accepted] + [token] == plain[:accepted + 1]
+            assert accepted == len(drafts) or drafts[accepted] != plain[accepted]
+        gens = [position_generator(seed, 10), position_generator(seed, 11)]
+        kept += verify_seeded(p[:2], [2], gens)[0]
+    expected = float(p[0, 2]) * TRIALS
+    assert abs(kept - expected) < 4 * (expected * (1 - float(p[0, 2]))) ** 0.5, (kept, expected)
+
+
+def test_position_seeds_differ_by_seed_and_position_and_take_any_int64():
+    from memwall.sample.seeds import position_seed
+
+    seeds = {position_seed(s, i) for s in (-(2 ** 63), -1, 0, 1, 2, 2 ** 63 - 1) for i in range(50)}
+    assert len(seeds) == 300 and all(0 <= s < 2 ** 64 for s in seeds)
+    assert position_generator(None, 3) is None
+    a = torch.rand(4, generator=position_generator(7, 3))
+    assert torch.equal(a, torch.rand(4, generator=position_generator(7, 3)))
