@@ -241,8 +241,7 @@ class DraftRowPrice:
     def __init__(self) -> None:
         self._plain: dict[int, tuple[float, int]] = {}  # B -> (running seconds, step seen at)
         self._fractions: dict[int, dict[int, float]] = {}  # B -> d -> running fraction
-        self._seen_at: dict[int, int] = {}  # B -> the step its fractions last moved
-        self._count_seen_at: dict[tuple[int, int], int] = {}  # (B, d) -> the step d last moved
+        self._seen_at: dict[int, dict[int, int]] = {}  # B -> d -> the step d's fraction last moved
         self._retimed_at: dict[tuple[int, int], int] = {}  # (B, d) -> step retime_due said so
         self._priced: dict[tuple[int, int], float] = {}  # (B, rows) -> fraction, until one moves
         self._step = 0
@@ -262,7 +261,8 @@ class DraftRowPrice:
         sample = min(max(seconds / ref[0], 1.0), self.MAX_FRACTION)
         seen = self._fractions.setdefault(batch, {})
         d = rows - batch
-        fresh = self._step - self._count_seen_at.get((batch, d), self._step) <= self.STALE_STEPS
+        seen_at = self._seen_at.setdefault(batch, {})
+        fresh = self._step - seen_at.get(d, self._step) <= self.STALE_STEPS
         if d in seen and fresh:  # one step counts as at most CLAMP times the running fraction
             sample = seen[d] + self.ALPHA * (min(sample, seen[d] * self.CLAMP) - seen[d])
         elif d not in seen and seen:  # a first step of d: at most CLAMP times the price the
@@ -270,7 +270,7 @@ class DraftRowPrice:
             # 2 drafts out for the rest of the run)
             sample = min(sample, self._fraction(batch, rows) * self.CLAMP)
         seen[d] = sample  # new, or older than STALE_STEPS: this step's figure replaces it
-        self._seen_at[batch] = self._count_seen_at[(batch, d)] = self._step
+        seen_at[d] = self._step
         self._priced.clear()
 
     def knows(self, batch: int) -> bool:
@@ -282,7 +282,7 @@ class DraftRowPrice:
         to time it anew. Once, because that step may not be timed (no plain step of late to
         compare it with), and asking again each step would draft one more every step."""
         key = (batch, drafts)
-        seen_at = self._count_seen_at.get(key)
+        seen_at = self._seen_at.get(batch, {}).get(drafts)
         if (seen_at is None or self._step - seen_at <= self.STALE_STEPS
                 or self._step - self._retimed_at.get(key, -self.STALE_STEPS) <= self.STALE_STEPS):
             return False
@@ -291,7 +291,8 @@ class DraftRowPrice:
 
     def stale(self, batch: int) -> bool:
         """True where ``batch``'s fractions are known but none was seen for STALE_STEPS steps."""
-        return batch in self._seen_at and self._step - self._seen_at[batch] > self.STALE_STEPS
+        seen_at = self._seen_at.get(batch)
+        return bool(seen_at) and self._step - max(seen_at.values()) > self.STALE_STEPS
 
     def plain_seconds(self, batch: int) -> float:
         return self._plain[batch][0]
