@@ -158,7 +158,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-file", default=None)
     args = parser.parse_args()
-    levels = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
+    try:
+        levels = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
+    except ValueError:
+        levels = []
     if not levels or levels[0] < 1 or args.runs < 1 or args.requests_per_slot < 1:
         raise SystemExit("batch_scaling: --concurrency needs positive integers; --runs and "
                          "--requests-per-slot at least 1")
