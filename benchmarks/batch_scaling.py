@@ -1,5 +1,7 @@
-"""Throughput against the number of sequences in flight, one engine in process, the lowest
-concurrency as the baseline in the same run (issue 14: memwall's c=16 >= 1.3x its own c=4).
+"""Throughput against the number of sequences in flight, one engine in process.
+
+The lowest concurrency is the baseline in the same run (issue 14: memwall's c=16 >= 1.3x its
+own c=4).
 
     python benchmarks/batch_scaling.py [--model GGUF] [--threads 2] [--concurrency 4,16]
                                        [--requests-per-slot 4] [--prompt-tokens 128]
@@ -24,7 +26,6 @@ benchmarks/results/batch_scaling-<time>.json with the CPU model.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import random
 import statistics
@@ -38,7 +39,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `memwall
 
 from benchmarks import datasets  # noqa: E402
 from benchmarks.cpu import cpu_model  # noqa: E402
-from benchmarks.report import write_result  # noqa: E402
+from benchmarks.report import engine_bench_parser, write_result  # noqa: E402
 
 STAGES = ("norms", "qkv", "rope_kv_write", "attention", "o_proj", "gate_up", "silu_mul", "down",
           "lora", "tp_all_reduce")  # decode.c's mw_profile stages, in its order
@@ -146,15 +147,11 @@ def random_prompts(tok, count: int, length: int, rng: random.Random) -> list[lis
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="GGUF or HF directory (default: the embedded model)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser = engine_bench_parser(__doc__)  # --model, --threads, --runs, --max-tokens
     parser.add_argument("--concurrency", default="4,16", help="comma-separated; the lowest is the baseline")
     parser.add_argument("--requests-per-slot", type=int, default=4,
                         help="requests a run sends at concurrency c: this times c (serve.py: 64 at c=16)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-file", default=None)
     args = parser.parse_args()
@@ -211,7 +208,7 @@ def main() -> None:
                                   for name in STAGES if any(name in x.stage_ms_per_step for x in rows)},
         }
         s = summary[c]
-        print(f"{c:>4} {s['tok_s']:>8.1f} {step:>12.2f} {step / c:>9.3f} {s['prefill_tok_s']:>14.0f}"
+        print(f"{c:>4} {s['tok_s']:>8.1f} {step:>12.2f} {s['decode_ms_per_token']:>9.3f} {s['prefill_tok_s']:>14.0f}"
               f" {s['ratio']:>10.3f} {s['decode_only_ratio'] or float('nan'):>12.3f}")
     for c in levels:
         stages = summary[c]["stage_ms_per_step"]
